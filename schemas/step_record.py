@@ -1,0 +1,114 @@
+"""One engine step as TableTune sees it, and its Arrow schema.
+
+A step record is the unit of telemetry: the fitter regresses step latency and acceptance
+on these fields, so every field is measured on the engine, never derived downstream.
+The Arrow schema below is the single source of truth for the column layout; the
+`StepRecord` dataclass is its row view, for tests and small tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+"""Bump when a column changes meaning or type; readers refuse versions they do not know."""
+
+SCHEMA_VERSION_METADATA_KEY = b"tabletune.schema_version"
+
+STEP_RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int16(), nullable=False),
+        pa.field("engine_id", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("drafter", pa.string(), nullable=False),
+        pa.field("hardware", pa.string(), nullable=False),
+        pa.field("ts_ns", pa.int64(), nullable=False),
+        pa.field("step_seq", pa.int64(), nullable=False),
+        pa.field("batch_size", pa.int32(), nullable=False),
+        pa.field("num_decode_reqs", pa.int32(), nullable=False),
+        pa.field("num_prefill_reqs", pa.int32(), nullable=False),
+        pa.field("num_prefill_tokens", pa.int32(), nullable=False),
+        pa.field("k", pa.int16(), nullable=False),
+        pa.field("k_next", pa.int16(), nullable=False),
+        pa.field("table_version", pa.int64(), nullable=False),
+        pa.field("num_drafts", pa.int32(), nullable=False),
+        pa.field("num_draft_tokens", pa.int32(), nullable=False),
+        pa.field("num_accepted_tokens", pa.int32(), nullable=False),
+        pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),
+        pa.field("kv_tokens", pa.int64(), nullable=False),
+        pa.field("ctx_len_mean", pa.float64(), nullable=False),
+        pa.field("ctx_len_max", pa.int32(), nullable=False),
+        pa.field("step_latency_s", pa.float64(), nullable=False),
+        pa.field("inter_step_s", pa.float64(), nullable=False),
+        pa.field("forced", pa.bool_(), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
+)
+"""Column layout of a telemetry frame and of the fitter's Parquet files."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step (row view of `STEP_RECORD_SCHEMA`)."""
+
+    engine_id: str
+    model: str
+    drafter: str
+    hardware: str
+    ts_ns: int
+    """Wall clock at the start of the step (time.time_ns)."""
+    step_seq: int
+    """Per-engine, strictly increasing by 1: dedupe key with engine_id, and gap detector."""
+    batch_size: int
+    """Number of scheduled requests, prefills included: the index vLLM uses into its table."""
+    num_decode_reqs: int
+    num_prefill_reqs: int
+    num_prefill_tokens: int
+    k: int
+    """Drafts verified this step (max over requests)."""
+    k_next: int
+    """K scheduled for the drafts proposed this step (the table lookup)."""
+    table_version: int
+    """Version of the active table; 0 = the startup table."""
+    num_drafts: int
+    """Requests that had drafts verified this step."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+    """Unconditional counts: requests whose draft at position i (0-based) was accepted."""
+    kv_tokens: int
+    """Tokens in the KV cache of the scheduled requests."""
+    ctx_len_mean: float
+    ctx_len_max: int
+    step_latency_s: float
+    inter_step_s: float
+    forced: bool = False
+    """An exploration or profile step whose K was not the table's choice."""
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    def to_row(self) -> dict[str, object]:
+        row = asdict(self)
+        row["accepted_per_pos"] = list(self.accepted_per_pos)
+        return row
+
+
+STEP_RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord))
+assert set(STEP_RECORD_FIELDS) == set(STEP_RECORD_SCHEMA.names), "dataclass and schema drifted"
+
+
+def records_to_table(records: list[StepRecord]) -> pa.Table:
+    """Columnar view of a list of records, in `STEP_RECORD_SCHEMA` column order."""
+    columns = {name: [getattr(r, name) for r in records] for name in STEP_RECORD_SCHEMA.names}
+    columns["accepted_per_pos"] = [list(r.accepted_per_pos) for r in records]
+    return pa.table(columns, schema=STEP_RECORD_SCHEMA)
+
+
+def table_to_records(table: pa.Table) -> list[StepRecord]:
+    """Row view of a step-record table (the inverse of `records_to_table`)."""
+    out = []
+    for row in table.select(list(STEP_RECORD_SCHEMA.names)).to_pylist():
+        row["accepted_per_pos"] = tuple(row["accepted_per_pos"])
+        out.append(StepRecord(**row))
+    return out

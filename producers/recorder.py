@@ -1,0 +1,263 @@
+"""Per-step telemetry: the engine thread appends to a preallocated columnar buffer, a
+background thread turns full or aged buffers into Arrow tables for the sink.
+
+The engine's hot path (`record_step`) writes about twenty scalars into numpy arrays under an
+uncontended lock and returns; it never encodes, allocates per step or does I/O. Buffers are
+recycled through a small pool. When the sink falls behind, the oldest full buffers are dropped
+and counted rather than letting memory grow: telemetry must never hurt the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from producers.identity import EngineIdentity
+from schemas import SCHEMA_VERSION, STEP_RECORD_SCHEMA
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Where finished tables go. Called only from the recorder's background thread."""
+
+    def write(self, records: pa.Table) -> None: ...
+
+    def flush(self, timeout_s: float = 5.0) -> bool: ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RecorderConfig:
+    frame_records: int = 1024
+    """A buffer is handed to the sink when it holds this many steps ..."""
+    frame_interval_s: float = 0.1
+    """... or when its oldest step is this old, whichever comes first."""
+    max_pending_buffers: int = 64
+    """Full buffers waiting for the background thread; beyond this the oldest are dropped."""
+    log_interval_s: float = 60.0
+    """How often the counters are logged (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.frame_records < 1:
+            raise ValueError(f"frame_records={self.frame_records} must be >= 1")
+        if self.frame_interval_s <= 0:
+            raise ValueError(f"frame_interval_s={self.frame_interval_s} must be > 0")
+
+
+_INT_COLUMNS = {
+    "ts_ns": np.int64, "step_seq": np.int64, "batch_size": np.int32,
+    "num_decode_reqs": np.int32, "num_prefill_reqs": np.int32, "num_prefill_tokens": np.int32,
+    "k": np.int16, "k_next": np.int16, "table_version": np.int64, "num_drafts": np.int32,
+    "num_draft_tokens": np.int32, "num_accepted_tokens": np.int32, "kv_tokens": np.int64,
+    "ctx_len_max": np.int32,
+}
+_FLOAT_COLUMNS = ("ctx_len_mean", "step_latency_s", "inter_step_s")
+
+
+class _ColumnBuffer:
+    """One frame's worth of steps, column by column."""
+
+    def __init__(self, capacity: int, max_positions: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self.opened_at = 0.0
+        self.columns: dict[str, np.ndarray] = {
+            name: np.zeros(capacity, dtype=dtype) for name, dtype in _INT_COLUMNS.items()
+        }
+        for name in _FLOAT_COLUMNS:
+            self.columns[name] = np.zeros(capacity, dtype=np.float64)
+        self.columns["forced"] = np.zeros(capacity, dtype=np.bool_)
+        self.accepted = np.zeros((capacity, max(max_positions, 1)), dtype=np.int32)
+        self.accepted_len = np.zeros(capacity, dtype=np.int32)
+
+    def to_table(self, identity: EngineIdentity) -> pa.Table:
+        n = self.size
+        cols = {name: pa.array(values[:n]) for name, values in self.columns.items()}
+        lengths = self.accepted_len[:n]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        mask = np.arange(self.accepted.shape[1])[None, :] < lengths[:, None]
+        values = self.accepted[:n][mask]
+        cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+        cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
+        for name in ("engine_id", "model", "drafter", "hardware"):
+            cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
+        return pa.table([cols[name] for name in STEP_RECORD_SCHEMA.names],
+                        schema=STEP_RECORD_SCHEMA)
+
+
+class StepRecorder:
+    """Engine-side telemetry recorder shared by the vLLM hook and the twin."""
+
+    def __init__(self, identity: EngineIdentity, sink: Sink, *, max_k: int,
+                 config: RecorderConfig | None = None, first_step_seq: int = 0) -> None:
+        self.identity = identity
+        self.sink = sink
+        self.config = config or RecorderConfig()
+        self.max_k = max_k
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._spare: list[_ColumnBuffer] = [self._new_buffer() for _ in range(2)]
+        self._full: deque[_ColumnBuffer] = deque()
+        self._buffer = self._new_buffer()
+        self._next_seq = first_step_seq
+        self.records_total = 0
+        self.records_dropped = 0
+        self.frames_total = 0
+        self.sink_errors = 0
+        self._thread: threading.Thread | None = None
+        self._last_log = time.monotonic()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def record_step(
+        self, *, batch_size: int, num_decode_reqs: int, num_prefill_reqs: int,
+        num_prefill_tokens: int, k: int, k_next: int, table_version: int, num_drafts: int,
+        num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: Sequence[int],
+        kv_tokens: int, ctx_len_mean: float, ctx_len_max: int, step_latency_s: float,
+        inter_step_s: float, forced: bool = False, ts_ns: int | None = None,
+    ) -> int:
+        """Append one step; returns its step_seq. Never blocks on I/O, never raises on data."""
+        if self._thread is None:
+            self._start_thread()
+        with self._lock:
+            buf = self._buffer
+            i = buf.size
+            if i == 0:
+                buf.opened_at = time.monotonic()
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            c = buf.columns
+            c["ts_ns"][i] = time.time_ns() if ts_ns is None else ts_ns
+            c["step_seq"][i] = seq
+            c["batch_size"][i] = batch_size
+            c["num_decode_reqs"][i] = num_decode_reqs
+            c["num_prefill_reqs"][i] = num_prefill_reqs
+            c["num_prefill_tokens"][i] = num_prefill_tokens
+            c["k"][i] = k
+            c["k_next"][i] = k_next
+            c["table_version"][i] = table_version
+            c["num_drafts"][i] = num_drafts
+            c["num_draft_tokens"][i] = num_draft_tokens
+            c["num_accepted_tokens"][i] = num_accepted_tokens
+            c["kv_tokens"][i] = kv_tokens
+            c["ctx_len_mean"][i] = ctx_len_mean
+            c["ctx_len_max"][i] = ctx_len_max
+            c["step_latency_s"][i] = step_latency_s
+            c["inter_step_s"][i] = inter_step_s
+            c["forced"][i] = forced
+            positions = min(len(accepted_per_pos), buf.accepted.shape[1])
+            if positions:
+                buf.accepted[i, :positions] = accepted_per_pos[:positions]
+            buf.accepted_len[i] = positions
+            buf.size = i + 1
+            self.records_total += 1
+            if buf.size == buf.capacity:
+                self._rotate_locked()
+        return seq
+
+    def _rotate_locked(self) -> None:
+        self._full.append(self._buffer)
+        if len(self._full) > self.config.max_pending_buffers:
+            dropped = self._full.popleft()
+            self.records_dropped += dropped.size
+            dropped.size = 0
+            self._spare.append(dropped)
+        self._buffer = self._spare.pop() if self._spare else self._new_buffer()
+        self._wake.set()
+
+    # ---- background thread ---------------------------------------------------------------
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="tabletune-recorder",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.config.frame_interval_s
+        while not self._stop.is_set():
+            self._wake.wait(timeout=interval / 2)
+            self._wake.clear()
+            self._drain(force=False)
+            self._maybe_log()
+        self._drain(force=True)
+
+    def _drain(self, *, force: bool) -> None:
+        with self._drain_lock:
+            self._drain_locked(force=force)
+
+    def _drain_locked(self, *, force: bool) -> None:
+        with self._lock:
+            buf = self._buffer
+            aged = time.monotonic() - buf.opened_at >= self.config.frame_interval_s
+            if buf.size and (force or aged):
+                self._rotate_locked()
+            ready = list(self._full)
+            self._full.clear()
+        for buf in ready:
+            try:
+                self.sink.write(buf.to_table(self.identity))
+                self.frames_total += 1
+            except Exception:  # a sink failure is counted, never raised into the engine
+                self.sink_errors += 1
+                self.records_dropped += buf.size
+                log.exception("telemetry sink failed; %d records dropped", buf.size)
+            buf.size = 0
+            with self._lock:
+                if len(self._spare) < 4:
+                    self._spare.append(buf)
+
+    def _maybe_log(self) -> None:
+        every = self.config.log_interval_s
+        if every and time.monotonic() - self._last_log >= every:
+            self._last_log = time.monotonic()
+            log.info("telemetry %s", self.counters())
+
+    def _new_buffer(self) -> _ColumnBuffer:
+        return _ColumnBuffer(self.config.frame_records, self.max_k)
+
+    # ---- any thread ----------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Recorder and sink counters, readable in-process at any time."""
+        with self._lock:
+            pending = self._buffer.size + sum(b.size for b in self._full)
+        return {
+            "records_total": self.records_total,
+            "records_dropped": self.records_dropped,
+            "records_pending": pending,
+            "frames_total": self.frames_total,
+            "sink_errors": self.sink_errors,
+            **{f"sink_{k}": v for k, v in self.sink.counters().items()},
+        }
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Hand everything recorded so far to the sink and wait for it to be delivered.
+
+        For tests and shutdown, never the engine thread. True when the sink confirmed all.
+        """
+        self._drain(force=True)
+        return self.sink.flush(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the background thread, hand over what is buffered, close the sink."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        self._drain(force=True)
+        self.sink.close(timeout_s)

@@ -13,9 +13,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,10 @@ from producers.identity import EngineIdentity
 from schemas import SCHEMA_VERSION, STEP_RECORD_SCHEMA
 
 log = logging.getLogger(__name__)
+
+
+StepBuilder = Callable[[Any], Mapping[str, Any] | None]
+"""Turns a raw step captured on the engine thread into `record_step` keyword arguments."""
 
 
 class Sink(Protocol):
@@ -48,6 +52,8 @@ class RecorderConfig:
     """Full buffers waiting for the background thread; beyond this the oldest are dropped."""
     log_interval_s: float = 60.0
     """How often the counters are logged (0 disables)."""
+    max_deferred_steps: int = 65536
+    """Raw steps waiting to be turned into records (see `defer`); beyond this the oldest drop."""
 
     def __post_init__(self) -> None:
         if self.frame_records < 1:
@@ -113,12 +119,14 @@ class StepRecorder:
         self._drain_lock = threading.Lock()
         self._spare: list[_ColumnBuffer] = [self._new_buffer() for _ in range(2)]
         self._full: deque[_ColumnBuffer] = deque()
+        self._deferred: deque[tuple[StepBuilder, Any]] = deque()
         self._buffer = self._new_buffer()
         self._next_seq = first_step_seq
         self.records_total = 0
         self.records_dropped = 0
         self.frames_total = 0
         self.sink_errors = 0
+        self.build_errors = 0
         self._thread: threading.Thread | None = None
         self._last_log = time.monotonic()
 
@@ -169,6 +177,21 @@ class StepRecorder:
                 self._rotate_locked()
         return seq
 
+    def defer(self, build: StepBuilder, raw: Any) -> None:
+        """Engine thread: queue a raw step to be measured off-thread; O(1), never blocks.
+
+        `build(raw)` runs on the background thread and returns `record_step` keyword
+        arguments (or None to skip). Used by the vLLM hook, whose per-request accounting is
+        too slow for the engine thread; `raw` must hold only objects vLLM no longer mutates.
+        """
+        if self._thread is None:
+            self._start_thread()
+        deferred = self._deferred
+        if len(deferred) >= self.config.max_deferred_steps:
+            deferred.popleft()
+            self.records_dropped += 1
+        deferred.append((build, raw))
+
     def _rotate_locked(self) -> None:
         self._full.append(self._buffer)
         if len(self._full) > self.config.max_pending_buffers:
@@ -199,7 +222,21 @@ class StepRecorder:
 
     def _drain(self, *, force: bool) -> None:
         with self._drain_lock:
+            self._build_deferred()
             self._drain_locked(force=force)
+
+    def _build_deferred(self) -> None:
+        deferred = self._deferred
+        while deferred:
+            build, raw = deferred.popleft()
+            try:
+                fields = build(raw)
+            except Exception:  # a bad raw step is counted, never raised into the engine
+                self.build_errors += 1
+                log.debug("could not build a step record", exc_info=True)
+                continue
+            if fields is not None:
+                self.record_step(**fields)
 
     def _drain_locked(self, *, force: bool) -> None:
         with self._lock:
@@ -242,6 +279,8 @@ class StepRecorder:
             "records_pending": pending,
             "frames_total": self.frames_total,
             "sink_errors": self.sink_errors,
+            "build_errors": self.build_errors,
+            "deferred_pending": len(self._deferred),
             **{f"sink_{k}": v for k, v in self.sink.counters().items()},
         }
 

@@ -29,3 +29,11 @@ def broker() -> Iterator[EmbeddedBroker]:
 @pytest.fixture
 def unique_name() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random-weight Llama and tokenizer built offline once per session."""
+    from tabletune.tiny_models import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

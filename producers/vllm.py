@@ -1,0 +1,212 @@
+"""The vLLM hook: `--scheduler-cls producers.vllm.TableTuneScheduler`.
+
+One class is all a user attaches. It records one step record per engine step and owns the
+engine's table switch. vLLM does not adapt a custom scheduler class to async scheduling, so
+`TableTuneScheduler(...)` returns an instance of a subclass of vLLM's `Scheduler` or
+`AsyncScheduler`, whichever the final config asks for.
+
+Per step, on the engine thread, the hook only reads two clocks, copies the sampled lengths and
+appends one object to a queue; the recorder's background thread does the accounting
+(producers/vllm_steps.py), framing and I/O. Telemetry failures are logged and counted, never
+raised into vLLM: if TableTune cannot start, the engine runs as if it were not attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from producers.identity import EngineIdentity, default_engine_id
+from producers.recorder import StepRecorder
+from producers.sinks import sink_from_url
+from producers.table_switch import StagedTable, TableSwitch
+from producers.vllm_steps import RawStep, build_step_fields
+from schemas import DraftTable, TableError
+from tabletune.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class TableTuneHook:
+    """Mixin over vLLM's scheduler; state lives in `_tt_*` attributes to avoid clashes."""
+
+    _tt_recorder: StepRecorder | None
+    _tt_switch: TableSwitch | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tt_recorder = None
+        self._tt_switch = None
+        self._tt_async = isinstance(self, AsyncScheduler)
+        self._tt_schedules: deque[tuple[int, float, int, bool]] = deque(maxlen=8)
+        self._tt_last_update: float | None = None
+        self._tt_hook_errors = 0
+        try:
+            self._tt_setup()
+        except Exception:
+            log.exception("TableTune could not start; the engine runs without it")
+            self._tt_recorder = None
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _tt_setup(self) -> None:
+        config = self.vllm_config
+        max_num_seqs = config.scheduler_config.max_num_seqs
+        max_k = int(getattr(self, "num_spec_tokens", 0) or 0)
+        lookup = getattr(self, "dynamic_sd_lookup", None)
+        if lookup is not None:
+            startup = DraftTable.from_dense(list(lookup))
+            self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs)
+        identity = engine_identity(config)
+        sink_url = os.environ.get("TABLETUNE_SINK")
+        settings = Settings.from_env()
+        if not sink_url and settings.bootstrap_servers:
+            sink_url = "kafka://" + ",".join(settings.bootstrap_servers)
+        if not sink_url:
+            log.warning("TableTune attached without TABLETUNE_SINK or TABLETUNE_BOOTSTRAP: "
+                        "no telemetry is recorded")
+            return
+        sink = sink_from_url(sink_url, settings)
+        self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
+        log.info("TableTune telemetry for %s -> %s (table switch: %s)", identity.engine_id,
+                 sink_url, "on" if self._tt_switch else "off, no startup table")
+
+    # ---- the table switch -----------------------------------------------------------------
+    def stage_table(self, table: DraftTable, version: int, *, forced: bool = False
+                    ) -> StagedTable:
+        """Off the engine thread: validate and stage a table for the next schedule().
+
+        Raises TableError (and changes nothing) when the engine was started without a
+        table, or the table does not fit this engine.
+        """
+        if self._tt_switch is None:
+            raise TableError("this engine was started without num_speculative_tokens_per_"
+                             "batch_size; vLLM cannot switch tables on it")
+        return self._tt_switch.stage(table, version, forced=forced)
+
+    @property
+    def table_switch(self) -> TableSwitch | None:
+        return self._tt_switch
+
+    @property
+    def telemetry(self) -> StepRecorder | None:
+        return self._tt_recorder
+
+    # ---- per step (engine thread) ---------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        switch = self._tt_switch
+        if switch is not None and switch.pending:
+            staged = switch.apply_staged()
+            if staged is not None:
+                # One attribute store; vLLM reads it once per step in schedule().
+                self.dynamic_sd_lookup = list(staged.lookup)
+        output = super().schedule(*args, **kwargs)
+        if self._tt_recorder is not None:
+            version, forced = (switch.version, switch.forced) if switch else (0, False)
+            self._tt_schedules.append((id(output), started, version, forced))
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        recorder = self._tt_recorder
+        if recorder is not None:
+            try:
+                self._tt_capture(recorder, scheduler_output, model_runner_output)
+            except Exception:
+                self._tt_hook_errors += 1
+                if self._tt_hook_errors == 1:
+                    log.exception("TableTune could not capture a step (counted, not raised)")
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _tt_capture(self, recorder: StepRecorder, output: Any, runner_output: Any) -> None:
+        now = time.perf_counter()
+        started, version, forced = now, 0, False
+        key = id(output)
+        for entry in self._tt_schedules:
+            if entry[0] == key:
+                _, started, version, forced = entry
+                break
+        sampled = runner_output.sampled_token_ids
+        recorder.defer(build_step_fields, RawStep(
+            schedule_start_s=started,
+            update_start_s=now,
+            previous_update_start_s=self._tt_last_update,
+            scheduler_output=output,
+            sampled_lengths=list(map(len, sampled)) if sampled else [],
+            req_id_to_index=runner_output.req_id_to_index,
+            table_version=version,
+            forced=forced,
+            async_scheduling=self._tt_async,
+            max_positions=recorder.max_k,
+            ts_ns=time.time_ns(),
+        ))
+        self._tt_last_update = now
+
+    def shutdown(self) -> None:
+        recorder, self._tt_recorder = self._tt_recorder, None
+        try:
+            if recorder is not None:
+                recorder.close(timeout_s=5.0)
+        except Exception:
+            log.exception("TableTune telemetry did not close cleanly")
+        finally:
+            super().shutdown()
+
+
+class TableTuneSyncScheduler(TableTuneHook, Scheduler):
+    """The hook over vLLM's synchronous scheduler."""
+
+
+class TableTuneAsyncScheduler(TableTuneHook, AsyncScheduler):
+    """The hook over vLLM's async scheduler (GPU default)."""
+
+
+class TableTuneScheduler:
+    """What users attach: builds the hook over the scheduler the final config asks for."""
+
+    def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        if vllm_config.scheduler_config.async_scheduling:
+            return TableTuneAsyncScheduler(vllm_config, *args, **kwargs)
+        return TableTuneSyncScheduler(vllm_config, *args, **kwargs)
+
+
+def engine_identity(vllm_config: Any) -> EngineIdentity:
+    """Engine id from the environment; model, drafter and hardware from vLLM's config."""
+    model_config = vllm_config.model_config
+    names = getattr(model_config, "served_model_name", None)
+    if isinstance(names, list | tuple):
+        names = names[0] if names else None
+    model = str(names or model_config.model)
+    if os.path.isabs(model):  # a local checkout: its folder name is the useful part
+        model = os.path.basename(model.rstrip("/"))
+    spec = vllm_config.speculative_config
+    if spec is None:
+        drafter = "none"
+    else:
+        drafter = str(spec.method)
+        draft_model = getattr(getattr(spec, "draft_model_config", None), "model", None)
+        if draft_model and drafter not in ("ngram", "suffix"):
+            drafter = f"{drafter}:{os.path.basename(str(draft_model).rstrip('/'))}"
+    return EngineIdentity(
+        engine_id=default_engine_id(),
+        model=model.replace("|", "_"),
+        drafter=drafter.replace("|", "_"),
+        hardware=(os.environ.get("TABLETUNE_HARDWARE") or device_name()).replace("|", "_"),
+    )
+
+
+def device_name() -> str:
+    try:
+        from vllm.platforms import current_platform
+        name = current_platform.get_device_name()
+        if name:
+            return str(name)
+    except Exception:  # platforms without a device name (CPU builds) fall through
+        log.debug("no device name from vLLM", exc_info=True)
+    import platform
+    return platform.processor() or platform.machine() or "unknown"

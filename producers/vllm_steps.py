@@ -1,0 +1,104 @@
+"""Turning one vLLM engine step into a step record, off the engine thread.
+
+The hook captures a `RawStep` on the engine thread: references to the step's
+`SchedulerOutput` (built fresh each step and not mutated after `update_from_output`) and the
+number of tokens each request sampled, copied before vLLM trims them at stop tokens, because
+vLLM's SpecDecodingStats counts acceptance before that trim. Everything else — acceptance per
+position, the prefill/decode split, context lengths — is computed here on the recorder's
+background thread. Imports nothing from vLLM so it can be tested and reused without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class RawStep:
+    """Captured on the engine thread; not frozen because frozen init costs microseconds."""
+
+    schedule_start_s: float
+    """perf_counter() when schedule() started (sync scheduling latency starts here)."""
+    update_start_s: float
+    """perf_counter() when update_from_output() started."""
+    previous_update_start_s: float | None
+    scheduler_output: Any
+    sampled_lengths: list[int]
+    """len(sampled_token_ids[i]) per request index, before vLLM trims at stop tokens."""
+    req_id_to_index: dict[str, int]
+    table_version: int
+    forced: bool
+    async_scheduling: bool
+    max_positions: int
+    ts_ns: int
+
+
+def build_step_fields(raw: RawStep) -> dict[str, Any] | None:
+    """`StepRecorder.record_step` arguments for one step (None for an empty step)."""
+    out = raw.scheduler_output
+    num_scheduled: dict[str, int] = out.num_scheduled_tokens
+    batch_size = len(num_scheduled)
+    if batch_size == 0:
+        return None
+
+    accepted_per_pos = [0] * raw.max_positions
+    num_drafts = num_draft_tokens = num_accepted = k_verified = 0
+    lengths, index_of = raw.sampled_lengths, raw.req_id_to_index
+    for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+        drafted = len(drafts)
+        index = index_of.get(req_id)
+        if not drafted or index is None or index >= len(lengths) or not lengths[index]:
+            continue  # vLLM counts a draft only when the request sampled tokens this step
+        accepted = min(max(lengths[index] - 1, 0), drafted)
+        num_drafts += 1
+        num_draft_tokens += drafted
+        num_accepted += accepted
+        k_verified = max(k_verified, drafted)
+        for position in range(min(accepted, raw.max_positions)):
+            accepted_per_pos[position] += 1
+
+    prefill_reqs = prefill_tokens = 0
+    context_lengths: list[int] = []
+    for new in out.scheduled_new_reqs:
+        scheduled = num_scheduled.get(new.req_id, 0)
+        prefill_reqs += 1
+        prefill_tokens += scheduled
+        context_lengths.append(new.num_computed_tokens + scheduled)
+    cached = out.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for req_id, computed, outputs in zip(cached.req_ids, cached.num_computed_tokens,
+                                         cached.num_output_tokens, strict=False):
+        scheduled = num_scheduled.get(req_id, 0)
+        if outputs == 0 or req_id in resumed:
+            prefill_reqs += 1
+            prefill_tokens += scheduled
+        context_lengths.append(computed + scheduled)
+
+    kv_tokens = sum(context_lengths)
+    previous = raw.previous_update_start_s
+    inter_step_s = 0.0 if previous is None else raw.update_start_s - previous
+    if raw.async_scheduling:
+        step_latency_s = inter_step_s  # only the gap between updates means anything here
+    else:
+        step_latency_s = raw.update_start_s - raw.schedule_start_s
+    return {
+        "ts_ns": raw.ts_ns,
+        "batch_size": batch_size,
+        "num_decode_reqs": batch_size - prefill_reqs,
+        "num_prefill_reqs": prefill_reqs,
+        "num_prefill_tokens": prefill_tokens,
+        "k": k_verified,
+        "k_next": int(getattr(out, "num_spec_tokens_to_schedule", 0)),
+        "table_version": raw.table_version,
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "accepted_per_pos": accepted_per_pos[:k_verified],
+        "kv_tokens": kv_tokens,
+        "ctx_len_mean": kv_tokens / len(context_lengths) if context_lengths else 0.0,
+        "ctx_len_max": max(context_lengths, default=0),
+        "step_latency_s": step_latency_s,
+        "inter_step_s": inter_step_s,
+        "forced": raw.forced,
+    }

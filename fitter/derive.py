@@ -1,0 +1,262 @@
+"""From a goodput surface to a draft table: K*(B) = argmax_K G(B, K), as few ranges as possible.
+
+Two rules beyond the argmax, and why:
+- Within `tolerance` of the best goodput, smaller K wins. The surface is an estimate; at equal
+  predicted goodput a smaller K spends less target compute, wastes fewer drafts if acceptance
+  drops, and is the cheaper mistake.
+- Among tables that keep every batch size within tolerance, the one with the fewest ranges
+  wins (then the smallest K). Noise otherwise makes K flicker 3,2,3 between neighbouring batch
+  sizes, which is a table nobody can read and a switch the engine makes for nothing.
+The envelope also carries the surface (so the controller can compare live goodput against the
+prediction) and an exploration plan (where another K most plausibly beats the chosen one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
+from fitter.surface.goodput import GoodputSurface
+from schemas.draft_table import DraftTable
+from schemas.envelope import TableEnvelope, TableKey
+
+DEFAULT_TOLERANCE = 0.01
+DEFAULT_MIN_PROBABILITY = 0.05
+DEFAULT_MIN_EXPECTED_GAIN = 0.002
+"""Explore only where switching K could be expected to win at least 0.2% goodput."""
+FITTER_VERSION = "tabletune-fitter/1"
+SURFACE_GRID_POINTS = 64
+"""The envelope's `surface` holds at most this many batch sizes: it must stay far below the
+broker's message size while the table itself is derived at every batch size."""
+
+
+def candidate_k_values(startup_k_values: Sequence[int], max_k: int) -> NDArray[np.int64]:
+    """K values a table may use: the engine's startup set, capped at `max_k`, sorted."""
+    allowed = sorted({int(k) for k in startup_k_values if 0 <= int(k) <= max_k})
+    if not allowed:
+        raise ValueError(
+            f"no startup K value in {sorted(startup_k_values)} is within 0..max_k={max_k}"
+        )
+    return np.asarray(allowed, dtype=np.int64)
+
+
+def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERANCE,
+             fewest_ranges: bool = True) -> NDArray[np.int64]:
+    """Column index chosen per row of `goodput` (rows: batch sizes in order, columns: K ascending).
+
+    A column is acceptable at a row when its goodput is within `tolerance` of the row's best.
+    Without `fewest_ranges` each row takes its smallest acceptable K; with it, a Viterbi pass
+    picks acceptable columns minimising (number of changes, then sum of K indices).
+    """
+    if goodput.ndim != 2 or goodput.size == 0:
+        raise ValueError(f"goodput must be a non-empty (batch, K) matrix, got {goodput.shape}")
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance={tolerance!r} is outside [0, 1)")
+    best = goodput.max(axis=1, keepdims=True)
+    acceptable = goodput >= (1.0 - tolerance) * best
+    if not fewest_ranges:
+        return acceptable.argmax(axis=1).astype(np.int64)
+    n_rows, n_cols = goodput.shape
+    change_cost = n_rows * n_cols + 1  # one change outweighs any sum of K indices
+    index_cost = np.arange(n_cols, dtype=np.int64)
+    infeasible = np.iinfo(np.int64).max // 4
+    cost = np.where(acceptable[0], index_cost, infeasible)
+    came_from = np.zeros((n_rows, n_cols), dtype=np.int64)
+    columns = np.arange(n_cols)
+    for row in range(1, n_rows):
+        best_prev = int(cost.argmin())
+        switch = cost[best_prev] + change_cost
+        stay_cheaper = cost <= switch
+        came_from[row] = np.where(stay_cheaper, columns, best_prev)
+        cost = np.where(stay_cheaper, cost, switch) + index_cost
+        cost = np.where(acceptable[row], cost, infeasible)
+    chosen = np.zeros(n_rows, dtype=np.int64)
+    chosen[-1] = int(cost.argmin())
+    for row in range(n_rows - 1, 0, -1):
+        chosen[row - 1] = came_from[row, chosen[row]]
+    return chosen
+
+
+def exploration_plan(surface: GoodputSurface, chosen_index: NDArray[np.int64], *,
+                     tolerance: float = DEFAULT_TOLERANCE,
+                     min_probability: float = DEFAULT_MIN_PROBABILITY,
+                     min_expected_gain: float = DEFAULT_MIN_EXPECTED_GAIN,
+                     max_candidates: int = 2) -> dict[str, Any]:
+    """Where to spend exploration steps: per batch bucket, the K values that could beat the
+    table's choice by more than `tolerance`, the bucket with the most to gain first.
+
+    Buckets are the table's ranges split at powers of two, so one bucket has one chosen K.
+    Only a win beyond the tolerance would change the table, so that is what is scored, by
+    probability and by expected gain; a candidate needs both above their minimum, which
+    leaves out the neck-and-neck but precisely known cells at every range boundary and
+    makes exploration cost nothing where the table is already sure.
+    """
+    p_better = surface.probability_better(chosen_index, margin=tolerance)
+    gain = surface.expected_gain(chosen_index, margin=tolerance)
+    batch = surface.batch_sizes
+    octave = np.floor(np.log2(batch)).astype(np.int64)
+    boundaries = np.flatnonzero((np.diff(chosen_index) != 0) | (np.diff(octave) != 0)) + 1
+    buckets = []
+    for rows in np.split(np.arange(batch.size), boundaries):
+        p_bucket = p_better[rows].max(axis=0)
+        gain_bucket = gain[rows].max(axis=0)
+        worth = (p_bucket >= min_probability) & (gain_bucket >= min_expected_gain)
+        order = [int(j) for j in np.argsort(-gain_bucket, kind="stable") if worth[j]]
+        if not order:
+            continue
+        chosen_col = int(chosen_index[rows[0]])
+        buckets.append({
+            "batch_start": int(batch[rows[0]]),
+            "batch_end": int(batch[rows[-1]]),
+            "chosen_k": int(surface.k_values[chosen_col]),
+            "expected_gain": _round(gain_bucket[order[0]]),
+            "candidates": [
+                {
+                    "k": int(surface.k_values[j]),
+                    "p_better": _round(p_bucket[j]),
+                    "expected_gain": _round(gain_bucket[j]),
+                    "goodput_ratio": _round(float(np.median(
+                        surface.goodput_tok_s[rows, j] / surface.goodput_tok_s[rows, chosen_col]
+                    ))),
+                }
+                for j in order[:max_candidates]
+            ],
+        })
+    buckets.sort(key=lambda entry: -entry["expected_gain"])
+    return {
+        "method": "delta method on log goodput; score = E[max(0, log(G_k / ((1+tol) G_K*)))]",
+        "tolerance": tolerance,
+        "min_probability": min_probability,
+        "min_expected_gain": min_expected_gain,
+        "buckets": buckets,
+    }
+
+
+def surface_grid(max_batch: int, n_points: int = SURFACE_GRID_POINTS) -> NDArray[np.int64]:
+    """Batch sizes stored in the envelope: every one up to 16, geometric above."""
+    if max_batch <= n_points:
+        return np.arange(1, max_batch + 1)
+    dense = np.arange(1, 17)
+    sparse = np.geomspace(17, max_batch, n_points - dense.size).round().astype(np.int64)
+    return np.unique(np.concatenate([dense, sparse, [max_batch]]))
+
+
+def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
+                    fit: SurfaceFit) -> dict[str, Any]:
+    """The envelope's `surface`: per-cell predictions and uncertainty on a batch-size grid."""
+    acceptance = fit.acceptance
+    return {
+        "batch_sizes": [int(b) for b in surface.batch_sizes[rows]],
+        "k_values": [int(k) for k in surface.k_values],
+        "context_tokens": _round_list(surface.context_tokens[rows]),
+        "goodput_tok_s": _round_matrix(surface.goodput_tok_s[rows]),
+        "goodput_stderr_tok_s": _round_matrix(surface.goodput_std_tok_s[rows]),
+        "latency_s": _round_matrix(surface.latency_s[rows]),
+        "latency_stderr_s": _round_matrix(surface.latency_std_s[rows]),
+        "acceptance_length": _round_list(surface.acceptance_length),
+        "acceptance_length_stderr": _round_list(surface.acceptance_length_std),
+        "acceptance_per_position": _round_list(acceptance.unconditional_),
+        "conditional_acceptance": _round_list(acceptance.conditional_),
+        "conditional_acceptance_trials": _round_list(acceptance.trials_),
+        "latency_observed_k": [int(k) for k in fit.latency.observed_k_],
+        "latency_residual_scale": _round(fit.latency.residual_scale_),
+    }
+
+
+def derive_envelope(
+    fit: SurfaceFit,
+    *,
+    key: TableKey | str,
+    version: int,
+    max_k: int,
+    max_batch: int,
+    startup_k_values: Sequence[int],
+    tolerance: float = DEFAULT_TOLERANCE,
+    fewest_ranges: bool = True,
+    min_exploration_probability: float = DEFAULT_MIN_PROBABILITY,
+    created_at: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
+) -> TableEnvelope:
+    """The validated table envelope for batch sizes 1..max_batch from a fitted surface."""
+    if max_batch > fit.max_batch:
+        raise ValueError(f"max_batch {max_batch} exceeds the fit's {fit.max_batch}")
+    k_values = candidate_k_values(startup_k_values, max_k)
+    batch_sizes = np.arange(1, max_batch + 1)
+    surface = fit.evaluate(batch_sizes, k_values)
+    chosen = choose_k(surface.goodput_tok_s, tolerance=tolerance, fewest_ranges=fewest_ranges)
+    dense = [0, *(int(k) for k in k_values[chosen])]
+    table = DraftTable.from_dense(dense).validate(int(k_values.max()), max_batch)
+    predicted = surface.goodput_tok_s[np.arange(max_batch), chosen]
+    grid_rows = surface_grid(max_batch) - 1
+    envelope = TableEnvelope(
+        key=key if isinstance(key, TableKey) else TableKey.parse(key),
+        version=version,
+        table=table,
+        startup_k_values=tuple(sorted({int(k) for k in startup_k_values})),
+        max_batch=max_batch,
+        created_at=created_at or datetime.now(UTC).isoformat(timespec="seconds"),
+        provenance={
+            "fitter": FITTER_VERSION,
+            "records": fit.n_records,
+            "latency_cells": fit.n_latency_cells,
+            "ts_min_ns": fit.ts_min_ns,
+            "ts_max_ns": fit.ts_max_ns,
+            "half_life_s": fit.half_life_s,
+            "tolerance": tolerance,
+            "max_k": max_k,
+            **dict(provenance or {}),
+        },
+        predicted_goodput_tok_s=tuple(_round(g) for g in predicted),
+        surface=surface_summary(surface, grid_rows, fit),
+        exploration=exploration_plan(surface, chosen, tolerance=tolerance,
+                                     min_probability=min_exploration_probability),
+    )
+    return envelope.validate()
+
+
+def fit_table(
+    records: Any,
+    *,
+    key: TableKey | str,
+    max_k: int,
+    max_batch: int,
+    startup_k_values: Sequence[int],
+    version: int,
+    tolerance: float = DEFAULT_TOLERANCE,
+    half_life_s: float | None = DEFAULT_HALF_LIFE_S,
+    now_ns: int | None = None,
+    created_at: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    **fit_options: Any,
+) -> TableEnvelope:
+    """Fit the surface from a telemetry table and derive its table envelope in one call.
+
+    `fit_options` go to `fitter.surface.fit.fit_surface` (estimator templates, cell
+    saturation, latency extrapolation error, dedupe).
+    """
+    fit = fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
+                      now_ns=now_ns, **fit_options)
+    return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
+                           startup_k_values=startup_k_values, tolerance=tolerance,
+                           created_at=created_at, provenance=provenance)
+
+
+def _round(value: float) -> float:
+    """Six significant digits: the envelope is canonical JSON, so keep it short and finite."""
+    number = float(value)
+    if not np.isfinite(number):
+        raise ValueError(f"refusing to publish a non-finite value {number!r}")
+    return float(f"{number:.6g}")
+
+
+def _round_list(values: NDArray[np.float64]) -> list[float]:
+    return [_round(v) for v in np.asarray(values).reshape(-1)]
+
+
+def _round_matrix(values: NDArray[np.float64]) -> list[list[float]]:
+    return [_round_list(row) for row in values]

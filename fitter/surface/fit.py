@@ -1,0 +1,119 @@
+"""Fit both halves of the throughput surface from one telemetry table.
+
+This is the orchestration between raw telemetry and the two estimators: dedupe, recency
+weights, aggregation into cells, and the context each batch size is evaluated at. The math
+is in `latency`, `acceptance` and `goodput`; this module only wires them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from sklearn.base import clone
+
+from fitter.surface.acceptance import AcceptanceModel
+from fitter.surface.goodput import (
+    DEFAULT_LATENCY_EXTRAPOLATION_REL,
+    GoodputSurface,
+    evaluate_surface,
+)
+from fitter.surface.latency import StepLatencyModel
+from fitter.surface.telemetry import (
+    acceptance_rows,
+    context_by_batch,
+    latency_cells,
+    recency_weights,
+    to_frame,
+)
+from fitter.surface.validation import check_param
+
+DEFAULT_HALF_LIFE_S = 1800.0
+"""Half an hour: a shift in the workload mix shows within one refit, noise does not."""
+
+DEFAULT_CELL_SATURATION = 10.0
+"""A latency cell with n steps weighs n / (n + 10): a well-observed cell's median is precise
+to well under the model's misfit, so more steps should not let one cell outvote the shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class SurfaceFit:
+    """The fitted latency and acceptance models plus what is needed to evaluate them."""
+
+    latency: StepLatencyModel
+    acceptance: AcceptanceModel
+    max_batch: int
+    context_tokens: NDArray[np.float64]
+    """KV tokens per request at batch sizes 1..max_batch (index 0 = batch size 1)."""
+    n_records: int
+    n_latency_cells: int
+    ts_min_ns: int
+    ts_max_ns: int
+    half_life_s: float | None
+    latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL
+
+    def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
+        """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
+        batch = np.asarray(batch_sizes, dtype=np.int64).reshape(-1)
+        if batch.size and (batch.min() < 1 or batch.max() > self.max_batch):
+            raise ValueError(f"batch sizes must be in 1..{self.max_batch}")
+        return evaluate_surface(
+            self.latency, self.acceptance, batch, k_values, self.context_tokens[batch - 1],
+            latency_extrapolation_rel=self.latency_extrapolation_rel,
+        )
+
+
+def fit_surface(
+    records: Any,
+    *,
+    max_k: int,
+    max_batch: int,
+    half_life_s: float | None = DEFAULT_HALF_LIFE_S,
+    now_ns: int | None = None,
+    latency_model: StepLatencyModel | None = None,
+    acceptance_model: AcceptanceModel | None = None,
+    cell_saturation: float = DEFAULT_CELL_SATURATION,
+    latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
+    dedupe: bool = True,
+) -> SurfaceFit:
+    """Fit latency on aggregated cells of all steps and acceptance on drafting steps.
+
+    `records` is a table with the step-record columns (pyarrow or polars). The estimators
+    passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
+    """
+    check_param("max_k", max_k, low=0, high=64)
+    check_param("max_batch", max_batch, low=1)
+    check_param("half_life_s", half_life_s, low=0.0, inclusive_low=False, allow_none=True)
+    check_param("cell_saturation", cell_saturation, low=0.0)
+    check_param("latency_extrapolation_rel", latency_extrapolation_rel, low=0.0)
+
+    frame = to_frame(records, dedupe=dedupe)
+    ts = frame["ts_ns"].to_numpy()
+    weights = recency_weights(ts, half_life_s, now_ns)
+
+    X_lat, y_lat, cell_weight = latency_cells(frame, weights, half_life_s, now_ns)
+    keep = (cell_weight > 0) & (y_lat > 0)
+    saturated = cell_weight[keep] / (cell_weight[keep] + cell_saturation)
+    latency = clone(latency_model) if latency_model is not None else StepLatencyModel()
+    latency.fit(X_lat[keep], y_lat[keep], sample_weight=saturated)
+
+    acceptance = clone(acceptance_model) if acceptance_model is not None else AcceptanceModel()
+    if acceptance.n_positions is None:
+        acceptance.set_params(n_positions=max(max_k, 1))
+    acceptance.fit(acceptance_rows(frame, weights, acceptance.n_positions))
+
+    context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
+    return SurfaceFit(
+        latency=latency,
+        acceptance=acceptance,
+        max_batch=int(max_batch),
+        context_tokens=context,
+        n_records=frame.height,
+        n_latency_cells=int(keep.sum()),
+        ts_min_ns=int(ts.min()),
+        ts_max_ns=int(ts.max()),
+        half_life_s=half_life_s,
+        latency_extrapolation_rel=latency_extrapolation_rel,
+    )

@@ -1,0 +1,229 @@
+"""Step-latency model T(B, K, context): monotone piecewise-linear in batched tokens.
+
+Shape, and why. A verify forward is memory-bound (flat in batched tokens: weights are read
+once however many tokens ride along) up to a knee, then compute-bound (linear in tokens);
+real GPUs add wave-quantisation steps in between. A sum of non-negative *segment ramps* over
+knots in batched tokens represents all of these - flat, knee, slope, several slopes - and is
+non-decreasing by construction; it is not restricted to be linear (the twin's H100 model is
+linear, real hardware is not) nor convex. Attention adds time per KV token (and per KV token
+per extra query position), the drafter adds a fixed launch cost when it runs plus a cost per
+draft pass. Because batched tokens = decode_reqs * (K + 1) + prefill tokens is shared by all
+K, a K never seen in telemetry is predicted from the batched-token curve learned at other
+(B, K) cells - that is how the model extrapolates under censoring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from sklearn.base import BaseEstimator, RegressorMixin
+
+from fitter.surface.nonneg import HUBER_EFFICIENCY_K, robust_relative_nnls
+from fitter.surface.validation import check_is_fitted, check_matrix, check_param, check_vector
+
+LATENCY_COLUMNS: tuple[str, ...] = (
+    "num_decode_reqs", "k", "k_next", "num_prefill_tokens", "num_prefill_reqs", "kv_tokens",
+)
+"""Columns of X, in order (all step-record fields; see `schemas.step_record`). `k` sizes the
+verify (drafts verified this step), `k_next` the drafter (drafts proposed for the next)."""
+
+_DECODE, _K, _K_NEXT, _PREFILL_TOKENS, _PREFILL_REQS, _KV = range(len(LATENCY_COLUMNS))
+
+NON_HINGE_FEATURES: tuple[str, ...] = (
+    "kv_tokens", "kv_tokens_x_k", "kv_tokens_if_drafting", "drafter_launch", "draft_passes",
+    "batch_size", "prefill_reqs",
+)
+_DRAFTER_ON_OFF_FEATURES = ("kv_tokens_if_drafting", "drafter_launch")
+"""Identifiable only when some steps ran without the drafter; otherwise they are the
+intercept and the KV slope under another name."""
+UNIFORM_SD = 1.0 / np.sqrt(12.0)
+
+
+def batched_tokens(X: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Tokens the target verifies in a step: every decode request brings K drafts + 1."""
+    return X[:, _DECODE] * (X[:, _K] + 1.0) + X[:, _PREFILL_TOKENS]
+
+
+def decode_matrix(batch_sizes: ArrayLike, k: ArrayLike, context_tokens: ArrayLike) -> NDArray[np.float64]:
+    """X rows for pure decode steps: B requests at K drafts, each with `context_tokens` of KV."""
+    b, kk, ctx = np.broadcast_arrays(
+        np.asarray(batch_sizes, dtype=np.float64),
+        np.asarray(k, dtype=np.float64),
+        np.asarray(context_tokens, dtype=np.float64),
+    )
+    zeros = np.zeros(b.size)
+    return np.column_stack([b.ravel(), kk.ravel(), kk.ravel(), zeros, zeros, (b * ctx).ravel()])
+
+
+def place_knots(tokens: NDArray[np.float64], n_knots: int) -> NDArray[np.float64]:
+    """Knots at quantiles of the distinct batched-token values, first knot at 0.
+
+    Quantiles of *distinct* values (not of steps) spread the knots over the range the cells
+    cover, so a busy batch size does not crowd all knots into one corner; every segment but
+    the last is bounded by observed values, the last one is open to extrapolation.
+    """
+    distinct = np.unique(tokens[tokens > 0])
+    if distinct.size == 0:
+        return np.zeros(1)
+    interior = np.quantile(distinct, np.linspace(0.0, 1.0, n_knots + 1)[1:-1])
+    knots = np.unique(np.concatenate([[0.0], np.round(interior)]))
+    return knots[knots < distinct[-1]]
+
+
+def hinge_features(tokens: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Segment ramps: column j is the part of `tokens` that falls in [knot_j, knot_j+1).
+
+    With non-negative coefficients the coefficient of column j is the slope on segment j, so
+    the curve is non-decreasing and continuous; the last segment is open-ended.
+    """
+    widths = np.diff(knots)
+    over = tokens[:, None] - knots[None, :]
+    ramps = np.clip(over[:, :-1], 0.0, widths[None, :])
+    return np.column_stack([ramps, np.maximum(over[:, -1], 0.0)])
+
+
+def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Design matrix: intercept, hinges in batched tokens, then `NON_HINGE_FEATURES`."""
+    decode, k, k_next = X[:, _DECODE], X[:, _K], X[:, _K_NEXT]
+    drafting = drafter_runs(X).astype(np.float64)
+    kv = X[:, _KV]
+    return np.column_stack([
+        np.ones(X.shape[0]),
+        hinge_features(batched_tokens(X), knots),
+        kv,
+        kv * k,
+        kv * drafting,
+        drafting,
+        k_next,
+        decode + X[:, _PREFILL_REQS],
+        X[:, _PREFILL_REQS],
+    ])
+
+
+def drafter_runs(X: NDArray[np.float64]) -> NDArray[np.bool_]:
+    """The drafter runs in a step that proposes drafts for the next one (k_next > 0)."""
+    return X[:, _K_NEXT] > 0
+
+
+def smoothness_penalty(knots: NDArray[np.float64], n_features: int, strength: float,
+                       tokens_span: float, latency_scale: float, total_weight: float,
+                       ) -> NDArray[np.float64]:
+    """Rows that penalise slope changes between neighbouring segments.
+
+    Expressed in the same relative units as the residuals (a slope change times the token
+    span, over a typical latency) and proportional to the total data weight, so `strength`
+    means the same thing for 100 cells and for 100,000.
+    """
+    n_hinges = knots.size
+    rows = np.zeros((max(n_hinges - 1, 0), n_features))
+    factor = np.sqrt(strength * total_weight) * tokens_span / latency_scale
+    for j in range(n_hinges - 1):
+        rows[j, 1 + j] = -factor
+        rows[j, 2 + j] = factor
+    return rows
+
+
+class StepLatencyModel(RegressorMixin, BaseEstimator):
+    """Robust monotone regression of step latency (s) on step shape; see the module docstring.
+
+    X has the columns `LATENCY_COLUMNS` (one row per step, or per aggregated cell with its
+    count in `sample_weight`); y is `step_latency_s`. Subclassing scikit-learn's public
+    `BaseEstimator` gives get_params/set_params, so `sklearn.base.clone` and searches work.
+    """
+
+    def __init__(self, *, n_knots: int = 24, smoothness: float = 1e-6,
+                 huber_k: float = HUBER_EFFICIENCY_K, max_iter: int = 25) -> None:
+        self.n_knots = n_knots
+        self.smoothness = smoothness
+        self.huber_k = huber_k
+        self.max_iter = max_iter
+
+    def fit(self, X: ArrayLike, y: ArrayLike,
+            sample_weight: ArrayLike | None = None) -> StepLatencyModel:
+        check_param("n_knots", self.n_knots, low=1, high=200)
+        check_param("smoothness", self.smoothness, low=0.0)
+        check_param("huber_k", self.huber_k, low=0.0, inclusive_low=False)
+        check_param("max_iter", self.max_iter, low=1)
+        matrix = check_matrix(X, n_columns=len(LATENCY_COLUMNS))
+        if (matrix < 0).any():
+            raise ValueError("X must be non-negative (counts and token totals)")
+        target = check_vector(y, matrix.shape[0], name="y", positive=True)
+        weight = check_vector(sample_weight, matrix.shape[0], name="sample_weight", default=1.0)
+        if weight.sum() <= 0:
+            raise ValueError("sample_weight sums to zero")
+
+        tokens = batched_tokens(matrix)
+        knots = place_knots(tokens, int(self.n_knots))
+        design = latency_design(matrix, knots)
+        runs = drafter_runs(matrix)
+        drafter_off_seen = bool((~runs & (weight > 0)).any())
+        drafter_on_seen = bool((runs & (weight > 0)).any())
+        unidentified = self._unidentified_columns(knots, drafter_off_seen and drafter_on_seen)
+        design[:, unidentified] = 0.0  # NNLS keeps a zero column's coefficient at zero
+        penalty = smoothness_penalty(
+            knots, design.shape[1], float(self.smoothness),
+            tokens_span=max(float(tokens.max()), 1.0),
+            latency_scale=float(np.median(target)), total_weight=float(weight.sum()),
+        )
+        result = robust_relative_nnls(design, target, weight, penalty=penalty,
+                                      huber_k=float(self.huber_k), max_iter=int(self.max_iter))
+        self.knots_ = knots
+        self.coef_ = result.coef
+        self.coef_covariance_ = result.covariance
+        self.residual_scale_ = result.residual_scale
+        self.outlier_weight_ = result.weights
+        self.n_iter_ = result.n_iter
+        self.observed_k_ = np.unique(matrix[weight > 0, _K]).astype(int)
+        self.drafter_off_observed_ = drafter_off_seen
+        self.drafter_on_observed_ = drafter_on_seen
+        self.max_batched_tokens_ = float(tokens.max())
+        self.n_features_in_ = len(LATENCY_COLUMNS)
+        return self
+
+    def predict(self, X: ArrayLike) -> NDArray[np.float64]:
+        """Expected step latency in seconds."""
+        check_is_fitted(self, "coef_")
+        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        return latency_design(matrix, self.knots_) @ self.coef_
+
+    def predict_std(self, X: ArrayLike) -> NDArray[np.float64]:
+        """Standard error (s) of the expected latency: coefficient uncertainty plus what the
+        data could not identify (`unidentified_std`)."""
+        check_is_fitted(self, "coef_")
+        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        design = latency_design(matrix, self.knots_)
+        variance = np.einsum("ij,jk,ik->i", design, self.coef_covariance_, design)
+        return np.sqrt(np.maximum(variance, 0.0) + self.unidentified_std(matrix) ** 2)
+
+    def unidentified_std(self, X: ArrayLike) -> NDArray[np.float64]:
+        """Latency (s) the data cannot pin down at all, per row.
+
+        If the drafter never was off in training, its fixed cost is indistinguishable from
+        the step's fixed cost and the fit books all of it on the intercept: a step without
+        the drafter is then predicted as slow as a drafting one (the cautious error: it never
+        talks the table into switching speculation off). If it never ran, drafting steps
+        are predicted without its fixed cost. Either way the truth lies anywhere between
+        zero and the whole intercept, so the unseen side carries a uniform-prior standard
+        deviation, which the exploration plan turns into "try it".
+        """
+        check_is_fitted(self, "coef_")
+        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        unknown = np.zeros(matrix.shape[0], dtype=bool)
+        if not self.drafter_off_observed_:
+            unknown |= ~drafter_runs(matrix)
+        if not self.drafter_on_observed_:
+            unknown |= drafter_runs(matrix)
+        return np.where(unknown, self.coef_[0] * UNIFORM_SD, 0.0)
+
+    @staticmethod
+    def _unidentified_columns(knots: NDArray[np.float64], both_seen: bool) -> list[int]:
+        if both_seen:
+            return []
+        offset = 1 + knots.size
+        return [offset + NON_HINGE_FEATURES.index(name) for name in _DRAFTER_ON_OFF_FEATURES]
+
+    @property
+    def feature_names_(self) -> tuple[str, ...]:
+        check_is_fitted(self, "coef_")
+        hinges = tuple(f"tokens_from_{int(k)}" for k in self.knots_)
+        return ("intercept", *hinges, *NON_HINGE_FEATURES)

@@ -1,0 +1,171 @@
+"""From a telemetry table to the estimators' inputs: recency weights and aggregated cells.
+
+Aggregation is what makes a million steps fit in a second: latency is regressed on the
+median of each (decode requests, K, prefill bucket, KV bucket, age bucket) cell and
+acceptance on per-K sums, both computed with vectorised polars/numpy. Which steps feed which
+model: latency takes every step (prefill tokens are part of batched tokens, prefill requests a
+feature of their own); acceptance takes the steps that verified drafts (`accepted_per_pos` is
+only non-empty there), so prefill-only rows never dilute it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+from numpy.typing import NDArray
+
+from fitter.surface.latency import LATENCY_COLUMNS
+
+NEEDED_COLUMNS: tuple[str, ...] = (
+    "engine_id", "step_seq", "ts_ns", "batch_size", "num_decode_reqs", "num_prefill_reqs",
+    "num_prefill_tokens", "k", "k_next", "num_drafts", "accepted_per_pos", "kv_tokens",
+    "step_latency_s",
+)
+
+KV_BUCKETS_PER_OCTAVE = 2
+PREFILL_BUCKETS_PER_OCTAVE = 2
+HALF_LIVES_PER_AGE_BUCKET = 2
+MAX_AGE_BUCKET = 4
+"""Steps older than 8 half-lives share one age bucket: their weight is < 0.4% anyway."""
+
+
+def to_frame(records: Any, *, dedupe: bool = True) -> pl.DataFrame:
+    """The columns the fitter reads, as polars; duplicates on (engine_id, step_seq) dropped.
+
+    Accepts a pyarrow Table, a polars DataFrame, or anything `pl.DataFrame` takes.
+    """
+    if isinstance(records, pa.Table):
+        frame = pl.from_arrow(records.select(list(NEEDED_COLUMNS)))
+    elif isinstance(records, pl.DataFrame):
+        frame = records.select(NEEDED_COLUMNS)
+    else:
+        frame = pl.DataFrame(records).select(NEEDED_COLUMNS)
+    assert isinstance(frame, pl.DataFrame)  # from_arrow of a Table is a frame
+    if frame.height == 0:
+        raise ValueError("no telemetry records to fit")
+    if dedupe:
+        frame = frame.unique(subset=["engine_id", "step_seq"], keep="first", maintain_order=False)
+    return frame
+
+
+def recency_weights(ts_ns: NDArray[np.int64], half_life_s: float | None,
+                    now_ns: int | None = None) -> NDArray[np.float64]:
+    """0.5 ** (age / half-life), age measured back from `now_ns` (default: the newest step)."""
+    if half_life_s is None:
+        return np.ones(ts_ns.shape[0])
+    now = int(ts_ns.max()) if now_ns is None else int(now_ns)
+    age_s = np.maximum(now - ts_ns, 0).astype(np.float64) * 1e-9
+    return np.exp2(-age_s / half_life_s)
+
+
+def latency_cells(frame: pl.DataFrame, weights: NDArray[np.float64],
+                  half_life_s: float | None, now_ns: int | None = None,
+                  ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """(X, median latency, summed recency weight) per cell; X columns are `LATENCY_COLUMNS`.
+
+    The cell median is robust to the multi-x outliers a serving fleet produces; splitting
+    cells by age (in half-lives) lets the recency weights act on medians too.
+    """
+    now = int(frame["ts_ns"].max()) if now_ns is None else int(now_ns)  # type: ignore[arg-type]
+    age = (pl.lit(now) - pl.col("ts_ns")).clip(lower_bound=0).cast(pl.Float64) * 1e-9
+    age_bucket = (
+        (age / (half_life_s * HALF_LIVES_PER_AGE_BUCKET)).floor().clip(upper_bound=MAX_AGE_BUCKET)
+        if half_life_s
+        else pl.lit(0.0)
+    )
+    cells = (
+        frame.lazy()
+        .with_columns(
+            _w=pl.Series(weights),
+            _age=age_bucket.cast(pl.Int32),
+            _kv=(pl.col("kv_tokens").cast(pl.Float64) + 1.0).log(2) * KV_BUCKETS_PER_OCTAVE,
+            _pf=(pl.col("num_prefill_tokens").cast(pl.Float64) + 1.0).log(2)
+            * PREFILL_BUCKETS_PER_OCTAVE,
+        )
+        .with_columns(pl.col("_kv").round().cast(pl.Int32), pl.col("_pf").round().cast(pl.Int32))
+        .group_by(["num_decode_reqs", "k", "k_next", "num_prefill_reqs", "_pf", "_kv", "_age"])
+        .agg(
+            pl.col("num_prefill_tokens").cast(pl.Float64).mean().alias("prefill_mean"),
+            pl.col("kv_tokens").cast(pl.Float64).mean().alias("kv_mean"),
+            pl.col("step_latency_s").median().alias("latency"),
+            pl.col("_w").sum().alias("weight"),
+        )
+        .collect()
+    )
+    X = np.column_stack([
+        cells["num_decode_reqs"].to_numpy().astype(np.float64),
+        cells["k"].to_numpy().astype(np.float64),
+        cells["k_next"].to_numpy().astype(np.float64),
+        cells["prefill_mean"].to_numpy(),
+        cells["num_prefill_reqs"].to_numpy().astype(np.float64),
+        cells["kv_mean"].to_numpy(),
+    ])
+    assert X.shape[1] == len(LATENCY_COLUMNS)
+    return X, cells["latency"].to_numpy(), cells["weight"].to_numpy()
+
+
+def acceptance_rows(frame: pl.DataFrame, weights: NDArray[np.float64],
+                    n_positions: int) -> NDArray[np.float64]:
+    """Acceptance X (see `fitter.surface.acceptance`) with one row per drafted length L.
+
+    Row L-1 sums, with the recency weights applied, num_drafts (column 0) and the accepted
+    counts at positions 1..L over the steps that verified L drafts; positions after L are NaN
+    (censored). Lengths above `n_positions` are truncated to it.
+    """
+    arrow = frame.select("num_drafts", "accepted_per_pos").to_arrow()
+    lists = arrow.column("accepted_per_pos").combine_chunks()
+    raw_lengths = pc.list_value_length(lists).fill_null(0).to_numpy(zero_copy_only=False)
+    raw_lengths = raw_lengths.astype(np.int64)
+    lengths = np.minimum(raw_lengths, n_positions)
+    drafts = arrow.column("num_drafts").to_numpy().astype(np.float64)
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)
+    parents = pc.list_parent_indices(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(raw_lengths)[:-1]])
+    position = np.arange(values.size) - starts[parents] + 1  # 1-based draft position
+
+    width = n_positions + 1
+    drafting = (lengths > 0) & (drafts > 0)
+    sums = np.bincount((lengths[drafting] - 1) * width, weights=(weights * drafts)[drafting],
+                       minlength=n_positions * width).astype(np.float64)
+    usable = (position <= n_positions) & drafting[parents]
+    flat = (lengths[parents[usable]] - 1) * width + position[usable]
+    sums += np.bincount(flat, weights=(weights[parents] * values)[usable],
+                        minlength=sums.size)
+    X = sums.reshape(n_positions, width)
+    censored = np.arange(width)[None, :] > np.arange(1, n_positions + 1)[:, None]
+    X[censored] = np.nan
+    return X
+
+
+CONTEXT_PRIOR_STEPS = 50.0
+"""An octave with few steps is pulled toward the overall mean as if it had 50 more."""
+
+
+def context_by_batch(frame: pl.DataFrame, weights: NDArray[np.float64],
+                     batch_sizes: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Typical KV tokens per request at each batch size (recency-weighted, by octave of B).
+
+    Context per request shifts with load (long chats pile up at high concurrency), so the
+    table is derived at the context each batch size actually sees. Octave means are shrunk
+    toward the overall mean where data is thin and interpolated in log2(B) between octave
+    centres, so the derived goodput has no steps at powers of two.
+    """
+    batch = frame["batch_size"].to_numpy().astype(np.float64)
+    kv = frame["kv_tokens"].to_numpy().astype(np.float64)
+    usable = (batch > 0) & (weights > 0)
+    if not usable.any():
+        return np.zeros(batch_sizes.size)
+    octave = np.floor(np.log2(batch[usable])).astype(np.int64)
+    w = weights[usable]
+    per_request = kv[usable] / batch[usable]
+    overall = float(w @ per_request / w.sum())
+    weight_sum = np.bincount(octave, weights=w)
+    value_sum = np.bincount(octave, weights=w * per_request)
+    has_data = np.flatnonzero(weight_sum > 0)
+    prior = CONTEXT_PRIOR_STEPS * float(w.mean())
+    means = (value_sum[has_data] + prior * overall) / (weight_sum[has_data] + prior)
+    return np.interp(np.log2(np.maximum(batch_sizes, 1)), has_data + 0.5, means)

@@ -1,0 +1,162 @@
+"""Table derivation: argmax with tolerance, startup K set, coverage, ranges, vLLM validity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from fitter.derive import candidate_k_values, choose_k, derive_envelope, fit_table
+from fitter.surface.fit import SurfaceFit
+from fitter.surface.synthetic import (
+    H100_EAGLE,
+    SHAREGPT_EAGLE_CONDITIONAL,
+    true_acceptance_length,
+)
+from schemas.envelope import TableEnvelope, TableKey
+from tests.test_fitter.conftest import MAX_BATCH, MAX_K
+
+KEY = TableKey("llama-3.1-8b", "eagle", "h100")
+# CALIBRATION.md, ShareGPT EAGLE at 512 context: best fixed K per batch size.
+KNOWN_BEST_K = {1: 7, 2: 7, 4: 7, 8: 7, 16: 5, 32: 4, 64: 3, 128: 2, 256: 2}
+
+
+def test_ties_go_to_the_smaller_k() -> None:
+    goodput = np.array([[100.0, 100.5, 100.9, 99.0], [100.0, 102.0, 101.5, 90.0]])
+    assert list(choose_k(goodput, tolerance=0.01, fewest_ranges=False)) == [0, 1]
+    assert list(choose_k(goodput, tolerance=0.0, fewest_ranges=False)) == [2, 1]
+    assert list(choose_k(goodput, tolerance=0.01)) == [1, 1]  # one range, both acceptable
+
+
+def test_fewest_ranges_removes_flicker_within_tolerance() -> None:
+    rng = np.random.default_rng(0)
+    base = np.array([100.0, 110.0, 111.0, 95.0])
+    goodput = base + rng.uniform(-0.5, 0.5, size=(50, 4))  # K index 1 and 2 within 1%
+    greedy = choose_k(goodput, tolerance=0.01, fewest_ranges=False)
+    fewest = choose_k(goodput, tolerance=0.01)
+    assert len(set(fewest)) == 1
+    best = goodput.max(axis=1)
+    assert (goodput[np.arange(50), fewest] >= 0.99 * best).all()
+    assert np.count_nonzero(np.diff(greedy)) >= np.count_nonzero(np.diff(fewest))
+
+
+def test_fewest_ranges_keeps_a_real_change() -> None:
+    goodput = np.array([[10.0, 20.0]] * 5 + [[20.0, 10.0]] * 5)
+    assert list(choose_k(goodput)) == [1] * 5 + [0] * 5
+
+
+def test_candidate_k_values() -> None:
+    assert list(candidate_k_values([7, 0, 3, 5, 3], max_k=5)) == [0, 3, 5]
+    with pytest.raises(ValueError, match="no startup K"):
+        candidate_k_values([6, 7], max_k=5)
+
+
+def _ranges_are_fewest(envelope: TableEnvelope) -> bool:
+    ks = [k for _, _, k in envelope.table.ranges]
+    return all(a != b for a, b in zip(ks, ks[1:], strict=False))
+
+
+def _true_goodput(batch: np.ndarray, k: np.ndarray) -> np.ndarray:
+    al = true_acceptance_length(SHAREGPT_EAGLE_CONDITIONAL, k)
+    return batch * al / H100_EAGLE.decode_latency_s(batch, k, 512.0 * np.exp(0.25**2 / 2))
+
+
+def test_h100_argmax_matches_the_known_pattern(all_k_fit: SurfaceFit) -> None:
+    """Without tolerance the table is the plain argmax: it must land near the published one."""
+    envelope = derive_envelope(all_k_fit, key=KEY, version=3, max_k=MAX_K, tolerance=0.0,
+                               max_batch=MAX_BATCH, startup_k_values=range(MAX_K + 1))
+    table = envelope.table
+    for batch, best in KNOWN_BEST_K.items():
+        assert abs(table.k_for(batch) - best) <= 1, (batch, table.to_vllm())
+
+
+def test_h100_table_is_near_optimal_with_tolerance(all_k_fit: SurfaceFit) -> None:
+    """With the default 1% tolerance K may be smaller than the argmax, never much worse."""
+    envelope = derive_envelope(all_k_fit, key=KEY, version=3, max_k=MAX_K,
+                               max_batch=MAX_BATCH, startup_k_values=range(MAX_K + 1))
+    batch = np.arange(1, MAX_BATCH + 1)
+    chosen = np.array(envelope.table.to_dense(MAX_BATCH)[1:])
+    truth = _true_goodput(batch[:, None], np.arange(MAX_K + 1)[None, :])
+    regret = 1.0 - truth[np.arange(MAX_BATCH), chosen] / truth.max(axis=1)
+    assert regret.max() < 0.02  # the 1% tolerance plus fitting error
+    ks = [k for _, _, k in envelope.table.ranges]
+    assert ks == sorted(ks, reverse=True)  # K falls as the batch grows
+    assert len(ks) <= 5 and _ranges_are_fewest(envelope)
+
+
+def test_censored_telemetry_still_gives_a_good_table(censored_records: pa.Table) -> None:
+    """K never exceeded 5 and never was 0 in this telemetry, yet the table comes out right
+    (within tolerance of the truth) and the plan asks to explore the never-seen K."""
+    envelope = fit_table(censored_records, key=KEY, max_k=MAX_K, max_batch=MAX_BATCH,
+                         startup_k_values=range(MAX_K + 1), version=1, half_life_s=None)
+    batch = np.arange(1, MAX_BATCH + 1)
+    chosen = np.array(envelope.table.to_dense(MAX_BATCH)[1:])
+    truth = _true_goodput(batch[:, None], np.arange(MAX_K + 1)[None, :])
+    regret = 1.0 - truth[np.arange(MAX_BATCH), chosen] / truth.max(axis=1)
+    assert regret.max() < 0.03, envelope.table.to_vllm()
+    for b, best in KNOWN_BEST_K.items():
+        assert abs(envelope.table.k_for(b) - best) <= 2, envelope.table.to_vllm()
+    plan = envelope.exploration["buckets"]
+    assert plan, "censoring must leave something to explore"
+    explored = {c["k"] for bucket in plan for c in bucket["candidates"]}
+    assert explored & {6, 7}  # never drafted, so most in doubt
+    gains = [bucket["expected_gain"] for bucket in plan]
+    assert gains == sorted(gains, reverse=True)
+
+
+def test_exploration_is_empty_when_nothing_is_in_doubt(all_k_fit: SurfaceFit) -> None:
+    envelope = derive_envelope(all_k_fit, key=KEY, version=1, max_k=MAX_K,
+                               max_batch=MAX_BATCH, startup_k_values=range(MAX_K + 1))
+    assert envelope.exploration["buckets"] == []
+
+
+@pytest.mark.parametrize(("startup", "max_k", "max_batch"),
+                         [((0, 2, 4), 3, 100), ((1, 3, 5, 7), 7, 256), ((2,), 7, 17)])
+def test_startup_set_max_k_and_coverage(all_k_fit: SurfaceFit, startup, max_k,
+                                        max_batch) -> None:
+    envelope = derive_envelope(all_k_fit, key=KEY, version=1, max_k=max_k,
+                               max_batch=max_batch, startup_k_values=startup)
+    allowed = {k for k in startup if k <= max_k}
+    assert envelope.table.k_values <= allowed
+    dense = envelope.table.to_dense(max_batch)
+    assert len(dense) == max_batch + 1 and envelope.table.max_batch == max_batch
+    assert envelope.table.ranges[0][0] == 1
+    assert len(envelope.predicted_goodput_tok_s) == max_batch
+    assert _ranges_are_fewest(envelope)
+
+
+def test_envelope_carries_surface_and_round_trips(all_k_fit: SurfaceFit) -> None:
+    envelope = derive_envelope(all_k_fit, key=KEY, version=2, max_k=MAX_K,
+                               max_batch=MAX_BATCH, startup_k_values=range(MAX_K + 1),
+                               created_at="2026-01-01T00:00:00+00:00",
+                               provenance={"source": "test"})
+    surface = envelope.surface
+    n_b, n_k = len(surface["batch_sizes"]), len(surface["k_values"])
+    assert n_b <= 64 and surface["batch_sizes"][0] == 1 and surface["batch_sizes"][-1] == 256
+    assert np.shape(surface["goodput_tok_s"]) == (n_b, n_k)
+    assert np.shape(surface["goodput_stderr_tok_s"]) == (n_b, n_k)
+    assert envelope.provenance["source"] == "test"
+    assert envelope.provenance["records"] > 0
+    predicted = np.array(envelope.predicted_goodput_tok_s)
+    # More requests, more tokens per second (up to the tolerance where K steps down).
+    assert (predicted[1:] > 0.99 * predicted[:-1]).all()
+    assert TableEnvelope.from_json(envelope.to_json()) == envelope
+
+
+def test_vllm_accepts_the_table(all_k_fit: SurfaceFit) -> None:
+    utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils")
+    envelope = derive_envelope(all_k_fit, key=KEY, version=1, max_k=MAX_K,
+                               max_batch=MAX_BATCH, startup_k_values=range(MAX_K + 1))
+    schedule = utils.validate_and_normalize_dynamic_sd_schedule(envelope.table.to_vllm())
+    assert [list(entry) for entry in schedule] == envelope.table.to_vllm()
+    dense = utils.build_dynamic_sd_schedule_lookup(envelope.table.to_vllm(), MAX_BATCH, MAX_K)
+    assert dense == envelope.table.to_dense(MAX_BATCH)
+
+
+def test_package_exports_resolve_lazily() -> None:
+    import fitter
+
+    assert fitter.fit_table is fit_table
+    assert "fit_table" in dir(fitter)
+    with pytest.raises(AttributeError, match="no attribute"):
+        _ = fitter.not_a_thing

@@ -1,0 +1,91 @@
+"""How fast the twin simulates: steps per second of wall time, on one core.
+
+    .venv/bin/python bench/twin_speed.py [--steps 20000] [--policy fixed:3] [--trace FILE] [--out DIR]
+
+Prints JSON: per concurrency (1, 64, 256), steps/s without telemetry ("recorder": false) and
+with every step going through the StepRecorder to a sink that discards ("recorder": true).
+The process is pinned to one CPU so the recorder's background thread competes with the
+engine the way it would on a loaded host. Setup (trace loading, pools) is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit  # noqa: E402
+from producers.twin import EngineConfig, PhaseConfig, Scenario, build_engine  # noqa: E402
+from producers.twin.cost import CostModel  # noqa: E402
+from producers.twin.run import NullSink  # noqa: E402
+
+SHAREGPT_EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+
+
+def scenario_for(concurrency: int, steps: int, trace: str | None) -> Scenario:
+    """Long enough in virtual time for about `steps` steps at this concurrency."""
+    cost = CostModel.from_config(Scenario(phases=(_phase(1, 1.0, None),)).cost, "eagle")
+    step_s = cost.step_s(concurrency * 1100, concurrency * 4, 3)
+    return Scenario(seed=1, engine=EngineConfig(max_num_seqs=256),
+                    phases=(_phase(concurrency, steps * step_s, trace),))
+
+
+def _phase(concurrency: int, duration_s: float, trace: str | None) -> PhaseConfig:
+    return PhaseConfig(duration_s=duration_s, concurrency=concurrency, trace=trace,
+                       acceptance=SHAREGPT_EAGLE, prompt_len=355, output_len=728)
+
+
+def measure(concurrency: int, *, recorder: bool, steps: int, policy: str,
+            trace: str | None) -> dict[str, object]:
+    engine, rec, chosen = build_engine(scenario_for(concurrency, steps, trace), policy,
+                                       sink=NullSink() if recorder else None)
+    start = time.perf_counter()
+    engine.run(chosen)
+    if rec is not None:
+        rec.close()
+    wall = time.perf_counter() - start
+    return {
+        "concurrency": concurrency,
+        "recorder": recorder,
+        "steps": engine.steps,
+        "mean_batch_size": float(np.mean(engine.log.batch_size)),
+        "wall_s": round(wall, 4),
+        "steps_per_s": round(engine.steps / wall, 1),
+        "records_dropped": rec.counters()["records_dropped"] if rec is not None else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20000, help="about this many per run")
+    parser.add_argument("--policy", default="fixed:3")
+    parser.add_argument("--trace", default=None, help="SpecDecode-Bench JSONL (default: "
+                        "a parametric ShareGPT/EAGLE profile)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
+    parser.add_argument("--out", default=None, help="also write twin_speed.json here")
+    args = parser.parse_args()
+    pinned = None
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        pinned = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {pinned})
+    results = [measure(c, recorder=r, steps=args.steps, policy=args.policy, trace=args.trace)
+               for c in args.concurrency for r in (False, True)]
+    emit("twin_speed", {
+        "numpy": np.__version__,
+        "pinned_cpu": pinned,
+        "policy": args.policy,
+        "workload": args.trace or "parametric sharegpt/eagle",
+        "results": results,
+    }, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""`tabletune twin run` and `tabletune twin static`: wired in by `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from producers.sinks import SinkError
+from producers.twin.config import DRAFT_METHODS, CostConfig, ScenarioError
+from producers.twin.cost import PROFILES, CostModel
+from producers.twin.policies import PolicyError, policy_usages
+from producers.twin.run import run_scenario
+from producers.twin.static import (
+    EXPERIMENT_REQUESTS,
+    EXPERIMENT_SEED,
+    ngram_match_prob_for,
+    static_speedups,
+)
+from producers.twin.workload import RequestPool, load_trace, parametric_pool
+from schemas import TableError
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `twin` with its `run` and `static` sub-commands to a parser's sub-commands."""
+    twin = subparsers.add_parser(
+        "twin", help="the twin: a trace-driven simulated vLLM engine",
+        description="A simulated engine with vLLM's continuous batching and draft-table "
+        "semantics, on virtual time: compare policies on the same traffic without a GPU.")
+    twin.set_defaults(handler=lambda _args: _usage(twin))
+    commands = twin.add_subparsers(title="twin commands", metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run", help="simulate a scenario under a policy",
+        description="Runs a scenario file (docs/TWIN.md) and prints its summary. Records "
+        "go to --sink exactly as a vLLM engine's would.")
+    run.add_argument("--scenario", required=True, help="scenario TOML file")
+    run.add_argument("--policy", required=True,
+                     help="how K is chosen: " + " | ".join(policy_usages()))
+    run.add_argument("--sink", default=None,
+                     help="telemetry: kafka://host:port, file:///dir or null:// (default none)")
+    run.add_argument("--duration", type=float, default=None,
+                     help="virtual seconds to run (default: the sum of the phases)")
+    run.add_argument("--realtime", action="store_true",
+                     help="pace virtual time to the wall clock (demos)")
+    run.add_argument("--drain", action="store_true",
+                     help="after the end, run without new arrivals until all requests finish")
+    run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    run.set_defaults(handler=run_twin)
+
+    static = commands.add_parser(
+        "static", help="SpecDecode-Bench's static-batch experiment: speedup of fixed K",
+        description="300 requests sampled with a fixed seed, each run as a batch of B "
+        "copies to completion; speedup of each K over no speculation, by throughput.")
+    source = static.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="SpecDecode-Bench JSONL file")
+    source.add_argument("--acceptance", type=float, nargs="+",
+                        help="conditional acceptance per position (instead of a trace)")
+    static.add_argument("--prompt-len", type=float, default=355.0,
+                        help="mean prompt tokens with --acceptance (default 355)")
+    static.add_argument("--output-len", type=float, default=728.0,
+                        help="mean generated tokens with --acceptance (default 728)")
+    static.add_argument("--method", choices=DRAFT_METHODS, default="eagle")
+    static.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
+    static.add_argument("--k", type=int, nargs="+", default=[1, 3, 5])
+    static.add_argument("--requests", type=int, default=EXPERIMENT_REQUESTS)
+    static.add_argument("--seed", type=int, default=EXPERIMENT_SEED)
+    static.add_argument("--ngram-match-prob", type=float, default=None,
+                        help="n-gram match chance where nothing is accepted (default: by "
+                        "the trace's dataset name, else 1)")
+    static.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES),
+                        help="cost profile")
+    static.add_argument("--json", action="store_true", help="print the results as JSON")
+    static.set_defaults(handler=run_static)
+    return twin
+
+
+def run_twin(args: argparse.Namespace) -> int:
+    try:
+        summary = run_scenario(args.scenario, args.policy, sink=args.sink,
+                               duration_s=args.duration, realtime=args.realtime,
+                               drain=args.drain)
+    except (ScenarioError, PolicyError, TableError, SinkError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    result = summary.to_dict()
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{summary.scenario} under {summary.policy}: {summary.steps} steps, "
+          f"{summary.duration_s:g} s virtual")
+    for label, row in [("all", result), *((p["name"], p) for p in summary.phases)]:
+        print(f"  {label:>10}: {row['output_tokens_per_s']:9.1f} tok/s  "
+              f"TPOT p50 {_ms(row['tpot_ms_p50'])} p99 {_ms(row['tpot_ms_p99'])}  "
+              f"TTFT p50 {_ms(row['ttft_ms_p50'])}  batch {row['mean_batch_size']:.1f}  "
+              f"K {_shares(row['k_share'])}")
+    return 0
+
+
+def run_static(args: argparse.Namespace) -> int:
+    try:
+        cost = CostModel.from_config(CostConfig(profile=args.profile), args.method)
+        pool = _static_pool(args)
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    match_prob = args.ngram_match_prob
+    if match_prob is None:
+        match_prob = ngram_match_prob_for(args.trace) if args.trace else 1.0
+    results = static_speedups(pool, method=args.method, batch_sizes=args.batch_sizes,
+                              ks=args.k, cost=cost, requests=args.requests, seed=args.seed,
+                              ngram_match_prob=match_prob)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results]))
+        return 0
+    for r in results:
+        print(f"B={r.batch_size:<4} K={r.k:<2} speedup {r.speedup:.3f}")
+    return 0
+
+
+def _static_pool(args: argparse.Namespace) -> RequestPool:
+    if args.trace:
+        return load_trace(args.trace, args.method)
+    for index, rate in enumerate(args.acceptance):
+        if not 0.0 <= rate <= 1.0:
+            raise ScenarioError(f"--acceptance[{index}]", f"must be between 0 and 1, got {rate}")
+    return parametric_pool(tuple(args.acceptance), prompt_len=args.prompt_len,
+                           output_len=args.output_len, max_k=max(args.k),
+                           rng=np.random.default_rng(args.seed),
+                           requests=max(args.requests, 512))
+
+
+def _shares(k_share: dict[str, float]) -> str:
+    return " ".join(f"{k}:{share:.0%}" for k, share in k_share.items())
+
+
+def _ms(value: float | None) -> str:
+    return "   n/a" if value is None else f"{value:6.1f}"
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2

@@ -1,0 +1,88 @@
+"""Step latency of a simulated engine: SpecDecode-Bench's linear model, plus an optional knee.
+
+    verify = target_kv·KV + target_batched·max(0, batched − knee) + target_fixed
+    draft  = draft_kv·KV + draft_per_token·(K + 1) + draft_fixed       (eagle, draft_model)
+           = ngram_fraction · verify                                  (ngram)
+    step   = verify + draft + step_overhead                           (no draft when K = 0)
+
+KV = tokens in the KV cache of the scheduled requests, batched = tokens verified in the step.
+The draft term is per step, not per request: the drafter runs once over the whole batch, which
+is how SpecDecode-Bench fitted (and applies) these coefficients. Functions take scalars or
+numpy arrays alike, so the static experiment can evaluate whole batches at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from producers.twin.config import COST_COEFFICIENTS, CostConfig, ScenarioError
+
+PROFILES: dict[str, dict[str, float]] = {
+    # Llama-3.1-8B-Instruct on H100, vLLM 0.10.1, fitted by SpecDecode-Bench (CALIBRATION.md).
+    "h100-llama3.1-8b": {
+        "target_kv": 3.92645679e-08,
+        "target_batched": 2.10103129e-05,
+        "target_fixed": 5.88590713e-03,
+        "draft_kv": 2.37768493e-09,
+        "draft_per_token": 8.41429603e-07,
+        "draft_fixed": 2.13526175e-03,
+        "ngram_fraction": 0.005875,
+        "step_overhead": 1.20683946e-03,
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    target_kv: float
+    target_batched: float
+    target_fixed: float
+    draft_kv: float
+    draft_per_token: float
+    draft_fixed: float
+    ngram_fraction: float
+    step_overhead: float
+    method: str = "eagle"
+    knee_tokens: int = 0
+
+    @classmethod
+    def from_config(cls, config: CostConfig, method: str) -> CostModel:
+        """Profile values overlaid with the explicit coefficients of `config`."""
+        if config.profile == "none":
+            base: dict[str, float] = {}
+        elif config.profile in PROFILES:
+            base = dict(PROFILES[config.profile])
+        else:
+            raise ScenarioError("cost.profile", f"unknown profile {config.profile!r} "
+                                                f"(known: {', '.join(PROFILES)}, none)")
+        for name in COST_COEFFICIENTS:
+            value = getattr(config, name)
+            if value is not None:
+                base[name] = value
+        missing = [name for name in COST_COEFFICIENTS if name not in base]
+        if missing:
+            raise ScenarioError(f"cost.{missing[0]}",
+                                f"required with profile = \"none\" (missing: {', '.join(missing)})")
+        return cls(**base, method=method, knee_tokens=config.knee_tokens)
+
+    def verify_s(self, kv_tokens: Any, batched_tokens: Any) -> Any:
+        """Target forward over `batched_tokens` new tokens attending to `kv_tokens`."""
+        if self.knee_tokens:
+            batched_tokens = np.maximum(0, np.asarray(batched_tokens) - self.knee_tokens)
+        return (self.target_kv * kv_tokens + self.target_batched * batched_tokens
+                + self.target_fixed)
+
+    def draft_s(self, verify_s: Any, kv_tokens: Any, k: Any) -> Any:
+        """Proposal of `k` drafts per request (callers skip it when nothing is drafted)."""
+        if self.method == "ngram":
+            return self.ngram_fraction * verify_s
+        return self.draft_kv * kv_tokens + self.draft_per_token * (k + 1) + self.draft_fixed
+
+    def step_s(self, kv_tokens: int, batched_tokens: int, k_next: int) -> float:
+        """Noise-free latency of one engine step that proposes `k_next` drafts."""
+        verify = self.verify_s(kv_tokens, batched_tokens)
+        draft = self.draft_s(verify, kv_tokens, k_next) if k_next > 0 else 0.0
+        return float(verify + draft + self.step_overhead)

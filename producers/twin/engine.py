@@ -1,0 +1,296 @@
+"""The twin: a discrete-event engine with vLLM 0.32's continuous batching and Dynamic-SD semantics.
+
+One step, as vLLM's scheduler and model runner do it:
+1. apply a staged table (`TableSwitch.apply_staged`), admit arrivals to the waiting queue;
+2. schedule: every decode request gets 1 + its pending drafts, then requests in prefill and
+   newly admitted ones (up to `max_num_seqs`) get prompt chunks from what is left of
+   `max_num_batched_tokens` (chunked prefill);
+3. K for the drafts proposed now = lookup[number of scheduled requests, prefills included];
+4. verify the drafts proposed at the previous step: a request emits min(acc_len[t], k + 1)
+   tokens (never past its output length); a request whose prefill completes emits its first
+   token; every request that emitted and goes on gets K drafts, verified at the next step;
+5. latency from the cost model with noise advances the virtual clock; one telemetry record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from producers.recorder import RecorderConfig, StepRecorder
+from producers.table_switch import TableSwitch
+from producers.twin.batch import RunningBatch
+from producers.twin.config import Scenario, ScenarioError
+from producers.twin.cost import CostModel
+from producers.twin.policies import Policy
+from producers.twin.summary import RunLog
+from producers.twin.traffic import Arrival, Traffic
+from producers.twin.workload import RequestPool, pool_for_phase
+
+_NOISE_BLOCK = 4096
+_add = np.add.reduce
+_max = np.maximum.reduce
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One finished step, as adaptive policies see it (the same quantities as the record)."""
+
+    step_seq: int
+    t_s: float
+    phase: int
+    batch_size: int
+    num_decode_reqs: int
+    num_prefill_reqs: int
+    num_prefill_tokens: int
+    k: int
+    k_next: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+    kv_tokens: int
+    step_latency_s: float
+    emitted_tokens: int
+    table_version: int
+
+
+class TwinEngine:
+    def __init__(self, scenario: Scenario, switch: TableSwitch, *,
+                 recorder: StepRecorder | None = None, duration_s: float | None = None,
+                 realtime: bool = False, drain: bool = False) -> None:
+        limits = scenario.engine
+        self.scenario = scenario
+        self.switch = switch
+        self.recorder = recorder
+        self.realtime = realtime
+        self.drain = drain
+        self.method = scenario.drafter.method
+        self.cost = CostModel.from_config(scenario.cost, self.method)
+        self.noise = scenario.cost.noise
+        self.max_batched_tokens = limits.max_num_batched_tokens
+        pool_rng, traffic_rng, self._noise_rng, self._match_rng = (
+            np.random.default_rng(s) for s in np.random.SeedSequence(scenario.seed).spawn(4))
+        self.pools = [self._pool(i, pool_rng) for i in range(len(scenario.phases))]
+        bases = np.cumsum([0] + [len(p.acc_len) for p in self.pools])
+        self.pool_base = [int(b) for b in bases[:-1]]
+        self.acc_len = np.concatenate([p.acc_len for p in self.pools])
+        self.end_s = duration_s if duration_s is not None else scenario.duration_s
+        self.traffic = Traffic(scenario.phases, self.pools, traffic_rng, end_s=self.end_s)
+        self.batch = RunningBatch(limits.max_num_seqs)
+        self.waiting: deque[Arrival] = deque()
+        self.log = RunLog()
+        self.clock_s = 0.0
+        self.steps = 0
+        self._prefilling = 0
+        self._last_k_next = 0
+        self._next_request_id = 0
+        self._last_step_start_s: float | None = None
+        self._noise = np.ones(0)
+        self._noise_at = 0
+        self._match_prob = scenario.drafter.ngram_match_prob if self.method == "ngram" else 1.0
+        telemetry = recorder.config if recorder is not None else RecorderConfig()
+        self._backlog_check_steps = telemetry.frame_records
+        self._backlog_limit = telemetry.frame_records * max(1, telemetry.max_pending_buffers // 2)
+
+    def _pool(self, index: int, rng: np.random.Generator) -> RequestPool:
+        try:
+            return pool_for_phase(self.scenario.phases[index], method=self.method,
+                                  max_k=self.scenario.engine.max_k, rng=rng)
+        except ScenarioError as exc:
+            raise exc.under(f"phases[{index}]") from None
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, policy: Policy) -> RunLog:
+        """Step until the end of the run (and, with `drain`, until every request finished)."""
+        policy.start(self)
+        interval = policy.step_interval
+        wall_start = time.monotonic()
+        batch = self.batch
+        while True:
+            t = self.clock_s
+            if t >= self.end_s and (not self.drain or (batch.n == 0 and not self.waiting)):
+                break
+            if self.realtime:  # pace virtual time to the wall clock, idle gaps included
+                time.sleep(max(0.0, t - (time.monotonic() - wall_start)))
+            for arrival in self.traffic.arrivals(t, batch.n + len(self.waiting)):
+                self.waiting.append(arrival)
+            if batch.n == 0 and not self.waiting:
+                self.clock_s = min(self.traffic.next_event_s(t), max(self.end_s, t))
+                if self.clock_s <= t:
+                    break
+                continue
+            stats = self._step(t, want_stats=interval > 0 and (self.steps + 1) % interval == 0)
+            if stats is not None:
+                policy.on_step(self, stats)
+        return self.log
+
+    # ---- one step ------------------------------------------------------------------------
+    def _step(self, t: float, *, want_stats: bool) -> StepStats | None:
+        """Rows [0, d) decode; rows [d, n) are in prefill. Prefill rows always form a suffix:
+        budget goes in admission order, so an older request finishes its prompt no later
+        than a younger one, and removals keep the order."""
+        self.switch.apply_staged()
+        b = self.batch
+        d = b.n - self._prefilling
+        # Every decode row got the previous step's k_next, unless n-gram misses zeroed some.
+        uniform = self._match_prob == 1.0
+        k = self._last_k_next if uniform and d else 0
+        pending = None if uniform else b.k_pending[:d]
+        draft_tokens = k * d if uniform else int(_add(pending))
+        if self._prefilling or self.waiting:
+            chunks = self._schedule_prefills(d, self.max_batched_tokens - draft_tokens - d)
+        else:
+            chunks = None
+        n = b.n
+        # Decodes: verify the drafts proposed at the previous step.
+        generated = b.generated[:d]
+        ctx = b.prompt[:d] + generated
+        kv = int(_add(ctx))
+        ctx_max = int(_max(ctx)) if d else 0
+        acc = self.acc_len[b.acc_offset[:d] + (generated - 1)]
+        if uniform:
+            emit_full = np.minimum(acc, k + 1)
+            num_drafts = d if k else 0
+        else:
+            k = int(_max(pending)) if d else 0
+            emit_full = np.minimum(acc, pending + 1)
+            num_drafts = int(np.count_nonzero(pending))
+        left = b.output[:d] - generated
+        emit = np.minimum(emit_full, left)
+        generated += emit
+        finished = emit == left
+        emitted = int(_add(emit))
+        batch_size, prefill_reqs, prefill_tokens, completed = d, 0, 0, 0
+        if chunks is not None and n > d:
+            computed = b.computed[d:n]
+            scheduled = chunks > 0
+            prefill_reqs = int(np.count_nonzero(scheduled))
+            batch_size += prefill_reqs
+            prefill_tokens = int(_add(chunks))
+            if prefill_reqs:
+                kv += int(_add(computed[scheduled]))
+                ctx_max = max(ctx_max, int(_max(computed[scheduled])))
+            computed += chunks
+            first = scheduled & (computed >= b.prompt[d:n])
+            completed = int(np.count_nonzero(first))  # a prefix of the prefill rows
+            b.generated[d:d + completed] = 1
+            emitted += completed
+            finished = np.concatenate([finished, first & (b.output[d:n] == 1)])
+            self._prefilling -= completed
+        k_next = self.switch.k_for(batch_size)
+        self._last_k_next = k_next
+        b.k_pending[:d + completed] = k_next
+        n_finished = int(np.count_nonzero(finished))
+        drafting = k_next > 0 and d + completed > n_finished
+        if drafting and not uniform:
+            drafting = self._drop_unmatched_ngram(d + completed, finished)
+        accepted = int(_add(emit_full)) - d
+        per_pos = self._accepted_per_pos(emit_full, k)
+        latency = self._latency(kv, d + draft_tokens + prefill_tokens, k_next if drafting else 0)
+        t_end = t + latency
+        if completed:
+            b.first_token[d:d + completed] = t_end
+        phase = self.traffic.phase_index(t)
+        inter_step = t - self._last_step_start_s if self._last_step_start_s is not None else 0.0
+        self._last_step_start_s = t
+        if self.recorder is not None:
+            self.recorder.record_step(
+                batch_size=batch_size, num_decode_reqs=d, num_prefill_reqs=prefill_reqs,
+                num_prefill_tokens=prefill_tokens, k=k, k_next=k_next,
+                table_version=self.switch.version, num_drafts=num_drafts,
+                num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
+                accepted_per_pos=per_pos, kv_tokens=kv, ctx_len_mean=kv / batch_size,
+                ctx_len_max=ctx_max, step_latency_s=latency, inter_step_s=inter_step,
+                forced=self.switch.forced, ts_ns=int(t * 1e9))
+            if self.steps % self._backlog_check_steps == 0:
+                self._wait_for_sink(self.recorder)
+        self.log.add_step(t, latency, batch_size, k_next, emitted, phase)
+        if n_finished:
+            self._finish(finished, t_end)
+        self.clock_s = t_end
+        self.steps += 1
+        if not want_stats:
+            return None
+        return StepStats(
+            step_seq=self.steps - 1, t_s=t, phase=phase, batch_size=batch_size,
+            num_decode_reqs=d, num_prefill_reqs=prefill_reqs,
+            num_prefill_tokens=prefill_tokens, k=k, k_next=k_next,
+            num_drafts=num_drafts, num_draft_tokens=draft_tokens,
+            num_accepted_tokens=accepted, accepted_per_pos=tuple(int(c) for c in per_pos),
+            kv_tokens=kv, step_latency_s=latency, emitted_tokens=emitted,
+            table_version=self.switch.version)
+
+    def _schedule_prefills(self, d: int, budget: int) -> np.ndarray:
+        """Prompt chunks for the prefill rows [d, n), then for newly admitted requests while
+        a slot and budget are left (decodes always fit: checked by EngineConfig)."""
+        b = self.batch
+        chunks = []
+        for row in range(d, b.n):
+            chunk = min(int(b.prompt[row] - b.computed[row]), budget)
+            chunks.append(chunk)
+            budget -= chunk
+        while self.waiting and b.free and budget > 0:
+            arrival_s, phase, index = self.waiting.popleft()
+            pool = self.pools[phase]
+            prompt = int(pool.prompt_len[index])
+            b.add(prompt=prompt, output=int(pool.output_len[index]),
+                  acc_offset=self.pool_base[phase] + int(pool.acc_offset[index]),
+                  request_id=self._next_request_id, phase=phase, pool_index=index,
+                  arrival_s=arrival_s)
+            self._next_request_id += 1
+            self._prefilling += 1
+            chunk = min(prompt, budget)
+            chunks.append(chunk)
+            budget -= chunk
+        return np.array(chunks, dtype=np.int64)
+
+    def _drop_unmatched_ngram(self, decoding: int, finished: np.ndarray) -> bool:
+        """n-gram finds no match at some positions where nothing would be accepted: those
+        requests propose no drafts for their next step (SpecDecode-Bench's match model).
+        Returns whether any request still drafts."""
+        b = self.batch
+        rows = np.flatnonzero(~finished[:decoding])
+        nothing = self.acc_len[b.acc_offset[rows] + b.generated[rows] - 1] == 1
+        rows = rows[nothing]
+        unmatched = self._match_rng.random(len(rows)) >= self._match_prob
+        b.k_pending[rows[unmatched]] = 0
+        return bool(np.any(b.k_pending[:decoding][~finished[:decoding]]))
+
+    @staticmethod
+    def _accepted_per_pos(emit_full: np.ndarray, k: int) -> np.ndarray:
+        """Requests whose draft at position i was accepted (unconditional), i = 0..k-1."""
+        if k == 0:
+            return emit_full[:0]
+        counts = np.bincount(emit_full, minlength=k + 2)
+        at_least = np.cumsum(counts[::-1])[::-1]
+        return at_least[2:k + 2]
+
+    def _latency(self, kv: int, batched: int, k_next: int) -> float:
+        base = self.cost.step_s(kv, batched, k_next)
+        if not self.noise:
+            return base
+        if self._noise_at == len(self._noise):
+            draws = 1.0 + self.noise * self._noise_rng.standard_normal(_NOISE_BLOCK)
+            self._noise = np.maximum(draws, 0.05)
+            self._noise_at = 0
+        factor = self._noise[self._noise_at]
+        self._noise_at += 1
+        return float(base * factor)
+
+    def _wait_for_sink(self, recorder: StepRecorder) -> None:
+        """Virtual time can outrun any sink: hand over the backlog before the recorder would
+        start dropping records (a real engine must not wait; the twin loses nothing by it)."""
+        if recorder.counters().get("records_pending", 0) > self._backlog_limit:
+            recorder.flush(timeout_s=30.0)
+
+    def _finish(self, finished: np.ndarray, t_end: float) -> None:
+        b = self.batch
+        n = b.n
+        self.log.add_finished(b.arrival[:n][finished], b.first_token[:n][finished], t_end,
+                              b.output[:n][finished], b.request_id[:n][finished],
+                              b.pool_index[:n][finished], b.phase[:n][finished])
+        b.remove(finished)

@@ -1,0 +1,75 @@
+"""When requests arrive and which ones: closed or open loop, phase by phase.
+
+Closed loop (`concurrency`): at every step start the system is topped up to the phase's
+concurrency, so a finished request is replaced when the step that finished it ends.
+Open loop (`rate_rps`): a Poisson process whose rate is piecewise constant over the phases;
+a gap that would cross a phase boundary is redrawn from the boundary (exact, by memorylessness).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from itertools import accumulate
+
+import numpy as np
+
+from producers.twin.config import PhaseConfig
+from producers.twin.workload import RequestPool
+
+Arrival = tuple[float, int, int]
+"""(arrival time s, phase index, index into that phase's pool)."""
+
+
+class Traffic:
+    def __init__(self, phases: tuple[PhaseConfig, ...], pools: list[RequestPool],
+                 rng: np.random.Generator, *, end_s: float) -> None:
+        self.phases = phases
+        self.pools = pools
+        self.rng = rng
+        self.end_s = end_s
+        self.starts = [0.0, *accumulate(p.duration_s for p in phases)][:-1]
+        self.next_open_s = self._next_open_after(0.0)
+
+    def phase_index(self, t_s: float) -> int:
+        """Phase in effect at `t_s`; the last phase lasts until the run ends."""
+        return max(0, min(bisect.bisect_right(self.starts, t_s) - 1, len(self.phases) - 1))
+
+    def phase_end_s(self, index: int) -> float:
+        return self.starts[index + 1] if index + 1 < len(self.phases) else self.end_s
+
+    def arrivals(self, t_s: float, in_system: int) -> list[Arrival]:
+        """New requests at step start `t_s`, given how many are running or waiting."""
+        if t_s >= self.end_s:
+            return []
+        out: list[Arrival] = []
+        while self.next_open_s <= t_s:
+            arrival_s = self.next_open_s
+            out.append(self._draw(arrival_s, self.phase_index(arrival_s)))
+            self.next_open_s = self._next_open_after(arrival_s)
+        index = self.phase_index(t_s)
+        concurrency = self.phases[index].concurrency
+        if concurrency is not None:
+            out.extend(self._draw(t_s, index) for _ in range(concurrency - in_system - len(out)))
+        return out
+
+    def next_event_s(self, t_s: float) -> float:
+        """When an idle engine has something to do again: an arrival or a phase change."""
+        index = self.phase_index(t_s)
+        boundary = self.phase_end_s(index) if index + 1 < len(self.phases) else math.inf
+        return min(self.next_open_s, boundary)
+
+    def _draw(self, t_s: float, phase: int) -> Arrival:
+        return (t_s, phase, int(self.rng.integers(len(self.pools[phase]))))
+
+    def _next_open_after(self, t_s: float) -> float:
+        while t_s < self.end_s:
+            index = self.phase_index(t_s)
+            phase_end = self.phase_end_s(index)
+            rate = self.phases[index].rate_rps
+            if rate is not None:
+                candidate = t_s + float(self.rng.exponential(1.0 / rate))
+                if candidate < phase_end:
+                    return candidate
+            t_s = phase_end
+        return math.inf

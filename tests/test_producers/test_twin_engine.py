@@ -1,0 +1,194 @@
+"""The twin's engine semantics: determinism, token accounting, the lookup index, phases."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from producers.twin import (
+    DrafterConfig,
+    EngineConfig,
+    PhaseConfig,
+    Policy,
+    Scenario,
+    build_engine,
+    run_scenario,
+)
+from schemas import DraftTable
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
+SHAREGPT_EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+
+
+def workload(**overrides) -> PhaseConfig:
+    """GSM8K's trace when the shared data is there, else the same shape, parametric."""
+    fields = dict(duration_s=20.0, concurrency=8, trace=str(DATA / "gsm8k.jsonl"),
+                  acceptance=(0.72, 0.67, 0.65, 0.65, 0.65), prompt_len=94, output_len=166)
+    fields.update(overrides)
+    return PhaseConfig(**fields)
+
+
+def scenario(*phases: PhaseConfig, seed: int = 1, **engine) -> Scenario:
+    return Scenario(seed=seed, engine=EngineConfig(**engine), phases=phases or (workload(),))
+
+
+class Recording(Policy):
+    """A static table that keeps every step's statistics."""
+
+    step_interval = 1
+
+    def __init__(self, table: list[list[int]]) -> None:
+        self.table = DraftTable.from_vllm(table)
+        self.name = "recording"
+        self.steps = []
+
+    def initial_table(self, *, max_k, max_batch):
+        return DraftTable.from_dense(self.table.to_dense(max_batch)), 0
+
+    def on_step(self, engine, step):
+        self.steps.append(step)
+
+
+def test_same_seed_same_run_and_another_seed_differs():
+    first = run_scenario(scenario(seed=5), "vllm-doc").to_dict()
+    again = run_scenario(scenario(seed=5), "vllm-doc").to_dict()
+    other = run_scenario(scenario(seed=6), "vllm-doc").to_dict()
+    assert json.dumps(first) == json.dumps(again)
+    assert first["output_tokens"] != other["output_tokens"]
+
+
+def test_k0_emits_exactly_one_token_per_request_per_step():
+    policy = Recording([[1, 256, 0]])
+    engine, _, _ = build_engine(scenario(workload(concurrency=16)), policy)
+    engine.run(policy)
+    assert policy.steps
+    for step in policy.steps:
+        assert step.k == 0 and step.num_draft_tokens == 0 and step.num_accepted_tokens == 0
+        if step.num_prefill_reqs == 0:
+            assert step.emitted_tokens == step.batch_size
+        else:  # a completed prefill emits the request's first token
+            assert step.num_decode_reqs <= step.emitted_tokens <= step.batch_size
+
+
+def test_single_request_takes_one_step_per_token_at_k0():
+    policy = Recording([[1, 256, 0]])
+    engine, _, _ = build_engine(scenario(workload(concurrency=1, duration_s=1e-3)), policy,
+                                drain=True)
+    engine.run(policy)
+    finished = engine.log.finished()
+    assert len(finished["output_tokens"]) == 1
+    assert len(policy.steps) == finished["output_tokens"][0]  # one prefill + G-1 decodes
+
+
+def _trace_output_lengths(engine) -> np.ndarray | None:
+    """len(acc_eagle.acc_len) per row of the trace, read independently of the twin."""
+    if not engine.pools[0].source.startswith("gsm8k.jsonl"):
+        return None
+    rows = [json.loads(line) for line in (DATA / "gsm8k.jsonl").read_text().splitlines()]
+    return np.array([len(r["acc_eagle"]["acc_len"]) for r in rows])
+
+
+def test_emitted_tokens_equal_the_generated_lengths():
+    for policy in ("fixed:0", "fixed:5"):
+        engine, _, chosen = build_engine(scenario(workload(concurrency=24)), policy, drain=True)
+        log = engine.run(chosen)
+        finished = log.finished()
+        assert engine.batch.n == 0 and not engine.waiting
+        assert sorted(finished["request_id"]) == list(range(len(finished["request_id"])))
+        assert sum(log.emitted) == finished["output_tokens"].sum()
+        expected = _trace_output_lengths(engine)
+        if expected is None:
+            expected = engine.pools[0].output_len
+        np.testing.assert_array_equal(finished["output_tokens"], expected[finished["pool_index"]])
+
+
+def test_lookup_uses_all_scheduled_requests_and_drafts_are_verified_next_step():
+    table = [[1, 3, 5], [4, 4, 2], [5, 256, 0]]
+    dense = DraftTable.from_vllm(table).to_dense(256)
+    policy = Recording(table)
+    engine, _, _ = build_engine(scenario(workload(concurrency=4, duration_s=30.0)), policy)
+    engine.run(policy)
+    steps = policy.steps
+    for step in steps:
+        assert step.batch_size == step.num_decode_reqs + step.num_prefill_reqs
+        assert step.k_next == dense[step.batch_size]
+    mixed = [s for s in steps if s.num_prefill_reqs and s.num_decode_reqs]
+    assert any(dense[s.num_decode_reqs] != dense[s.batch_size] for s in mixed)
+    for previous, step in zip(steps, steps[1:], strict=False):
+        if step.num_drafts:
+            assert step.k == previous.k_next
+
+
+class CheckingInvariants(Recording):
+    """Also checks the batch layout after every step: decodes first, prefills a suffix."""
+
+    def on_step(self, engine, step):
+        super().on_step(engine, step)
+        batch = engine.batch
+        n, d = batch.n, batch.n - engine._prefilling
+        assert np.all(batch.computed[:d] == batch.prompt[:d])
+        assert np.all(batch.computed[d:n] < batch.prompt[d:n])
+        assert np.all(batch.generated[:n] < batch.output[:n])
+
+
+def test_chunked_prefill_stays_within_the_token_budget():
+    policy = CheckingInvariants([[1, 256, 7]])
+    sc = scenario(workload(concurrency=40, prompt_len=700, trace=None, duration_s=30.0),
+                  max_num_seqs=32, max_num_batched_tokens=512)
+    engine, _, _ = build_engine(sc, policy)
+    engine.run(policy)
+    used = [s.num_decode_reqs + s.num_draft_tokens + s.num_prefill_tokens for s in policy.steps]
+    assert max(used) == 512  # a chunked prompt takes whatever the decodes leave
+    assert all(s.batch_size <= 32 for s in policy.steps)
+    assert len(engine.log.finished()["output_tokens"]) > 10  # long prompts still complete
+
+
+def test_closed_loop_phases_switch_at_their_virtual_time():
+    policy = Recording([[1, 256, 3]])
+    phases = (workload(concurrency=2, duration_s=20.0), workload(concurrency=24, duration_s=20.0))
+    engine, _, _ = build_engine(scenario(*phases), policy)
+    engine.run(policy)
+    before = [s for s in policy.steps if s.t_s < 20.0]
+    after = [s for s in policy.steps if s.t_s >= 20.0]
+    assert before and after
+    assert all(s.phase == 0 and s.batch_size <= 2 for s in before)
+    assert all(s.phase == 1 for s in after)
+    assert after[0].batch_size > 2  # the new users arrive at the first step of the phase
+    summary = run_scenario(scenario(*phases), "fixed:3")
+    assert [(p["start_s"], p["end_s"]) for p in summary.phases] == [(0.0, 20.0), (20.0, 40.0)]
+    assert summary.phases[0]["steps"] == len(before)
+    assert summary.phases[1]["mean_batch_size"] > 5 * summary.phases[0]["mean_batch_size"]
+
+
+def test_open_loop_rate_follows_the_phases():
+    phases = (workload(concurrency=None, rate_rps=2.0, duration_s=30.0),
+              workload(concurrency=None, rate_rps=20.0, duration_s=30.0))
+    engine, _, policy = build_engine(scenario(*phases), "fixed:3", drain=True)
+    engine.run(policy)
+    arrivals = engine.log.finished()["arrival_s"]
+    first, second = np.count_nonzero(arrivals < 30.0), np.count_nonzero(arrivals >= 30.0)
+    assert 30 <= first <= 100 and 450 <= second <= 750  # Poisson means 60 and 600
+    assert arrivals.max() < 60.0
+
+
+def test_ngram_without_a_match_proposes_nothing():
+    def drafts_short(match_prob: float) -> int:
+        policy = Recording([[1, 256, 3]])
+        sc = Scenario(seed=2, drafter=DrafterConfig(method="ngram", ngram_match_prob=match_prob),
+                      phases=(workload(acceptance=(0.16, 0.61, 0.65)),))
+        engine, _, _ = build_engine(sc, policy)
+        engine.run(policy)
+        return sum(s.num_decode_reqs - s.num_drafts for s in policy.steps if s.k)
+
+    assert drafts_short(1.0) == 0
+    assert drafts_short(0.0) > 0
+
+
+def test_realtime_paces_virtual_time_to_the_wall_clock():
+    start = time.monotonic()
+    summary = run_scenario(scenario(workload(duration_s=0.3)), "fixed:3", realtime=True)
+    assert time.monotonic() - start >= 0.28
+    assert summary.steps > 5

@@ -1,0 +1,93 @@
+"""The twin speaks the real engine's interfaces: StepRecorder records, sinks, TableSwitch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+
+from producers.sinks import read_file_sink
+from producers.twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
+from schemas import DraftTable
+from tests.kafka_helpers import read_telemetry
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
+
+
+def chat(engine_id: str = "twin-test", duration_s: float = 60.0, concurrency: int = 32,
+         seed: int = 1) -> Scenario:
+    phase = PhaseConfig(duration_s=duration_s, concurrency=concurrency,
+                        trace=str(DATA / "sharegpt.jsonl"),
+                        acceptance=(0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80))
+    return Scenario(seed=seed, engine=EngineConfig(engine_id=engine_id), phases=(phase,))
+
+
+def _sorted_records(directory: Path):
+    table = read_file_sink(directory)
+    return table.sort_by([("step_seq", "ascending")]).to_pydict()
+
+
+def test_file_sink_records_match_the_summary(tmp_path):
+    summary = run_scenario(chat(), "vllm-doc", sink=f"file://{tmp_path}")
+    records = _sorted_records(tmp_path)
+    steps = summary.steps
+    assert steps > 2048  # several frames
+    assert len(list(tmp_path.glob("*.arrow"))) >= 2
+    assert records["step_seq"] == list(range(steps))
+    assert set(records["engine_id"]) == {"twin-test"}
+    assert summary.telemetry["records_total"] == steps
+    assert summary.telemetry["records_dropped"] == 0
+    ts = np.array(records["ts_ns"])
+    assert ts[0] == 0 and np.all(np.diff(ts) > 0) and ts[-1] < 60e9  # virtual time
+    latency = np.array(records["step_latency_s"])
+    np.testing.assert_allclose(np.diff(ts) / 1e9, latency[:-1], rtol=1e-6, atol=2e-9)
+    np.testing.assert_allclose(records["inter_step_s"][1:], latency[:-1], rtol=1e-6, atol=2e-9)
+    assert np.mean(records["batch_size"]) == summary.mean_batch_size
+    ks, counts = np.unique(records["k_next"], return_counts=True)
+    assert {str(k): c / steps for k, c in zip(ks, counts, strict=True)} == summary.k_share
+    for k, per_pos, accepted, drafts, draft_tokens in zip(
+            records["k"], records["accepted_per_pos"], records["num_accepted_tokens"],
+            records["num_drafts"], records["num_draft_tokens"], strict=True):
+        assert len(per_pos) == k
+        assert sum(per_pos) == accepted
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+        assert draft_tokens <= drafts * k and (not per_pos or per_pos[0] <= drafts)
+    kv = np.array(records["kv_tokens"])
+    np.testing.assert_allclose(records["ctx_len_mean"], kv / np.array(records["batch_size"]))
+    assert np.all(np.array(records["ctx_len_max"]) <= kv)
+
+
+def test_twin_telemetry_reaches_the_real_broker(broker, unique_name):
+    summary = run_scenario(chat(engine_id=unique_name, duration_s=10.0), "fixed:3",
+                           sink=f"kafka://{broker.bootstrap}")
+    table = read_telemetry(broker.bootstrap, engine_id=unique_name, min_records=summary.steps)
+    assert table.num_rows == summary.steps
+    assert table.column("step_seq").to_pylist() == list(range(summary.steps))
+    assert pc.all(pc.equal(table.column("k_next"), 3)).as_py()
+
+
+class SwitchAtStep(FixedK):
+    """Starts with fixed K; after step `at` stages another table through the switch."""
+
+    step_interval = 1
+
+    def __init__(self, k: int, at: int, new_k: int, version: int) -> None:
+        super().__init__(k)
+        self.at, self.new_k, self.version = at, new_k, version
+
+    def on_step(self, engine, step):
+        if step.step_seq == self.at:
+            table = DraftTable.from_vllm([[1, engine.switch.max_batch, self.new_k]])
+            engine.switch.stage(table, self.version)
+
+
+def test_a_table_staged_mid_run_changes_k_next_from_the_next_step(tmp_path):
+    run_scenario(chat(duration_s=5.0, concurrency=8), SwitchAtStep(5, at=40, new_k=1, version=3),
+                 sink=f"file://{tmp_path}")
+    records = _sorted_records(tmp_path)
+    k_next, version, k = records["k_next"], records["table_version"], records["k"]
+    assert len(k_next) > 60
+    assert set(k_next[:41]) == {5} and set(version[:41]) == {0}
+    assert set(k_next[41:]) == {1} and set(version[41:]) == {3}
+    assert k[41] == 5 and k[42] == 1  # drafts proposed at step N are verified at step N+1

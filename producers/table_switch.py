@@ -36,6 +36,8 @@ class TableSwitch:
         self.version = version
         self.forced = False
         self.table = table
+        self.startup_table = table
+        """What the engine was started with: the table a rollback to version 0 restores."""
         self._staged: StagedTable | None = None
         self.applied: deque[StagedTable] = deque(maxlen=history)
         """Tables applied so far, newest last (read by the controller for status events)."""

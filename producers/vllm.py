@@ -27,7 +27,7 @@ from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
 from producers.table_switch import StagedTable, TableSwitch
 from producers.vllm_steps import RawStep, build_step_fields
-from schemas import DraftTable, TableError
+from schemas import DraftTable, TableError, TableKey
 from tabletune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class TableTuneHook:
         super().__init__(*args, **kwargs)
         self._tt_recorder = None
         self._tt_switch = None
+        self._tt_feed: Any = None
         self._tt_async = isinstance(self, AsyncScheduler)
         self._tt_schedules: deque[tuple[int, float, int, bool]] = deque(maxlen=8)
         self._tt_last_update: float | None = None
@@ -63,8 +64,10 @@ class TableTuneHook:
             startup = DraftTable.from_dense(list(lookup))
             self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs)
         identity = engine_identity(config)
-        sink_url = os.environ.get("TABLETUNE_SINK")
         settings = Settings.from_env()
+        if settings.bootstrap_servers and self._tt_switch is not None:
+            self._tt_feed = start_table_feed(settings, identity, self._tt_switch, max_num_seqs)
+        sink_url = os.environ.get("TABLETUNE_SINK")
         if not sink_url and settings.bootstrap_servers:
             sink_url = "kafka://" + ",".join(settings.bootstrap_servers)
         if not sink_url:
@@ -147,9 +150,17 @@ class TableTuneHook:
         ))
         self._tt_last_update = now
 
+    @property
+    def table_feed(self) -> Any:
+        return self._tt_feed
+
     def shutdown(self) -> None:
         recorder, self._tt_recorder = self._tt_recorder, None
+        feed, self._tt_feed = self._tt_feed, None
         try:
+            if feed is not None:
+                feed.stop()
+                feed.status.close()
             if recorder is not None:
                 recorder.close(timeout_s=5.0)
         except Exception:
@@ -173,6 +184,24 @@ class TableTuneScheduler:
         if vllm_config.scheduler_config.async_scheduling:
             return TableTuneAsyncScheduler(vllm_config, *args, **kwargs)
         return TableTuneSyncScheduler(vllm_config, *args, **kwargs)
+
+
+def start_table_feed(settings: Settings, identity: EngineIdentity, switch: TableSwitch,
+                     max_num_seqs: int) -> Any:
+    """Follow the tables topic for this engine's key (TABLETUNE_TABLE_KEY overrides)."""
+    from controller.feed import TableFeed
+    from controller.status import StatusPublisher
+    from controller.validation import EngineLimits
+
+    key_text = os.environ.get("TABLETUNE_TABLE_KEY")
+    key = TableKey.parse(key_text) if key_text else TableKey(
+        identity.model, identity.drafter, identity.hardware)
+    limits = EngineLimits(key=key, startup_k_values=frozenset(switch.startup_table.k_values),
+                          max_batch=max_num_seqs)
+    status = StatusPublisher(settings, identity.engine_id, str(key))
+    status.emit("started", version=switch.version,
+                startup_k_values=sorted(limits.startup_k_values))
+    return TableFeed(settings, switch, limits, status).start()
 
 
 def engine_identity(vllm_config: Any) -> EngineIdentity:

@@ -1,5 +1,6 @@
 """Contracts shared by producers, fitter and controller. Depends on nothing else of ours."""
 
+from schemas.control import TableControl, parse_table_message
 from schemas.draft_table import DraftTable, TableError
 from schemas.envelope import (
     EnvelopeError,
@@ -28,6 +29,7 @@ __all__ = [
     "Signature",
     "SignatureError",
     "StepRecord",
+    "TableControl",
     "TableEnvelope",
     "TableError",
     "TableKey",
@@ -35,5 +37,6 @@ __all__ = [
     "decode_frame",
     "encode_frame",
     "records_to_table",
+    "parse_table_message",
     "table_to_records",
 ]

@@ -181,21 +181,30 @@ class TableEnvelope:
         return cls.from_dict(data)
 
     def signed(self, key_id: str, secret: bytes) -> TableEnvelope:
-        mac = hmac.new(secret, canonical_json(self.unsigned_payload()), hashlib.sha256)
-        return replace(self, signature=Signature(key_id=key_id, mac_hex=mac.hexdigest()))
+        mac = hmac_hex(secret, canonical_json(self.unsigned_payload()))
+        return replace(self, signature=Signature(key_id=key_id, mac_hex=mac))
 
     def verify(self, keyring: Mapping[str, bytes]) -> None:
         """Raise `SignatureError` unless signed by a key in `keyring` (key id -> secret)."""
-        if self.signature is None:
-            raise SignatureError("unsigned", "the envelope carries no signature")
-        if self.signature.algorithm != SIGNATURE_ALGORITHM:
-            raise SignatureError("bad_algorithm", f"algorithm {self.signature.algorithm!r}")
-        secret = keyring.get(self.signature.key_id)
-        if secret is None:
-            raise SignatureError("unknown_key", f"key id {self.signature.key_id!r} is not known")
-        expected = hmac.new(secret, canonical_json(self.unsigned_payload()), hashlib.sha256)
-        if not hmac.compare_digest(expected.hexdigest(), self.signature.mac_hex):
-            raise SignatureError("bad_signature", "the MAC does not match the content")
+        verify_mac(self.signature, canonical_json(self.unsigned_payload()), keyring)
+
+
+def hmac_hex(secret: bytes, payload: bytes) -> str:
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def verify_mac(signature: Signature | None, payload: bytes,
+               keyring: Mapping[str, bytes]) -> None:
+    """Raise `SignatureError` unless `signature` is a valid HMAC of payload by a known key."""
+    if signature is None:
+        raise SignatureError("unsigned", "the message carries no signature")
+    if signature.algorithm != SIGNATURE_ALGORITHM:
+        raise SignatureError("bad_algorithm", f"algorithm {signature.algorithm!r}")
+    secret = keyring.get(signature.key_id)
+    if secret is None:
+        raise SignatureError("unknown_key", f"key id {signature.key_id!r} is not known")
+    if not hmac.compare_digest(hmac_hex(secret, payload), signature.mac_hex):
+        raise SignatureError("bad_signature", "the MAC does not match the content")
 
 
 def canonical_json(value: Any) -> bytes:

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest a record waits in a window, seconds (default 10)")
     ingest.set_defaults(handler=run_ingest)
 
+    from controller.cli import register as register_controller
+    from producers.twin.cli import register as register_twin
+
+    register_controller(commands)
+    register_twin(commands)
+
     table = commands.add_parser("table", help="check and convert draft-length tables")
     table_commands = table.add_subparsers(title="table commands", metavar="COMMAND")
     validate = table_commands.add_parser(

@@ -25,8 +25,10 @@ from tests.test_producers import vllm_setup
 
 ENGINE_ID = "hook-test-engine"
 BATCHES = [{"count": 12, "offset": 0}, {"count": 5, "offset": 100},
-           {"count": 6, "offset": 200}, {"count": 3, "offset": 300}]
+           {"count": 6, "offset": 200}, {"count": 3, "offset": 300},
+           {"count": 10, "offset": 400}, {"count": 10, "offset": 500}]
 REPO = Path(__file__).resolve().parents[2]
+TABLE_KEY = "tiny|ngram|test-cpu"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,9 @@ def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
         "TABLETUNE_SINK": f"kafka://127.0.0.1:{hook_broker.port}",
         "TABLETUNE_ENGINE_ID": ENGINE_ID,
         "TABLETUNE_HARDWARE": "test-cpu",
+        "TABLETUNE_BOOTSTRAP": f"127.0.0.1:{hook_broker.port}",
+        "TABLETUNE_TABLE_KEY": TABLE_KEY,
+        "TABLETUNE_VERIFY_KEYS": "k1:engine-secret",
     }
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -253,3 +258,86 @@ def _wait_healthy(port: int, server: subprocess.Popen, log_path: Path,
         except OSError:
             time.sleep(1)
     raise AssertionError("server did not become healthy")
+
+
+def _envelope(version: int, triples, key: str = TABLE_KEY):
+    from schemas import TableEnvelope, TableKey
+
+    return TableEnvelope(key=TableKey.parse(key), version=version,
+                         table=DraftTable.from_vllm(triples), startup_k_values=(1, 2, 4),
+                         max_batch=vllm_setup.MAX_NUM_SEQS, created_at="2026-11-29T00:00:00Z")
+
+
+def _wait_for_event(feed, predicate, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in list(feed.status.recent):
+            if predicate(event):
+                return event
+        time.sleep(0.05)
+    raise AssertionError(f"no such event in {list(feed.status.recent)}")
+
+
+def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_broker,
+                                                               stock_outputs):
+    from kafka import KafkaProducer
+
+    from controller.table_log import publish
+    from tabletune.settings import Settings
+
+    llm, scheduler = engine
+    feed = scheduler.table_feed
+    assert feed is not None
+    settings = Settings(bootstrap_servers=(hook_broker.broker.bootstrap,),
+                        signing_key_id="k1", signing_secret=b"engine-secret")
+    good = [[1, 4, 4], [5, 16, 2]]
+    publish(settings, _envelope(1, good))
+    deadline = time.monotonic() + 20
+    while not scheduler.table_switch.pending and time.monotonic() < deadline:
+        time.sleep(0.05)  # staged by the feed thread; applied at the engine's next step
+    assert scheduler.table_switch.pending
+    recorder = scheduler.telemetry
+    recorder.flush(timeout_s=10)
+    first_seq = recorder.counters()["records_total"]
+    assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[4])) == stock_outputs[4]
+    applied = _wait_for_event(feed, lambda e: e["event"] == "applied" and e["version"] == 1)
+    assert applied["seconds_to_apply"] >= 0
+
+    unsigned = Settings(bootstrap_servers=settings.bootstrap_servers)
+    forged = _envelope(8, good).signed("k1", b"engine-secret")
+    forged = type(forged).from_dict({**forged.to_dict(), "table": [[1, 16, 4]]})
+    producer = KafkaProducer(bootstrap_servers=hook_broker.broker.bootstrap)
+    bad = {
+        2: ("invalid_table", lambda: publish(settings, _envelope(2, [[2, 16, 2]]))),
+        3: ("invalid_table", lambda: publish(settings, _envelope(3, [[1, 8, 2], [5, 16, 1]]))),
+        4: ("k_not_in_startup_set", lambda: publish(settings, _envelope(4, [[1, 16, 3]]))),
+        5: ("wrong_key", lambda: producer.send(
+            "tabletune.tables", key=TABLE_KEY.encode(),
+            value=_envelope(5, good, key="other|ngram|test-cpu").signed(
+                "k1", b"engine-secret").to_json()).get(timeout=10)),
+        1: ("stale_version", lambda: publish(settings, _envelope(1, [[1, 16, 1]]))),
+        6: ("unsigned", lambda: publish(unsigned, _envelope(6, good))),
+        7: ("unknown_key", lambda: publish(
+            Settings(bootstrap_servers=settings.bootstrap_servers, signing_key_id="k9",
+                     signing_secret=b"x"), _envelope(7, good))),
+        8: ("bad_signature", lambda: producer.send(
+            "tabletune.tables", key=TABLE_KEY.encode(), value=forged.to_json()
+        ).get(timeout=10)),
+    }
+    for version, (reason, send) in bad.items():
+        send()
+        event = _wait_for_event(feed, lambda e, v=version, r=reason: e["event"] == "rejected"
+                                and e.get("version") == v and e["reason"] == r)
+        assert event["detail"]
+    producer.close()
+    # Generation went on unaffected, on table version 1.
+    assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[5])) == stock_outputs[5]
+    assert scheduler.table_switch.version == 1
+    assert recorder.flush(timeout_s=10)
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=1).to_pylist()
+    new = [r for r in records if r["step_seq"] >= first_seq]
+    table = DraftTable.from_vllm(good)
+    assert new and all(r["table_version"] == 1 for r in new)
+    assert all(r["k_next"] == table.k_for(r["batch_size"]) for r in new)
+    assert {r["k_next"] for r in new} == {2, 4}  # 10 requests, then the tail below 5

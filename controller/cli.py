@@ -1,0 +1,171 @@
+"""`tabletune controller ...` and `tabletune tables ...`: operator commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from controller.table_log import control, publish, read_log
+from schemas import TableControl, TableEnvelope, TableError, TableKey
+from tabletune.settings import Settings
+from tabletune.table_files import load_table_file
+
+
+def register(commands: Any) -> None:
+    tables = commands.add_parser("tables", help="publish and follow table envelopes")
+    table_commands = tables.add_subparsers(title="tables commands", metavar="COMMAND")
+    pub = table_commands.add_parser(
+        "publish", help="publish a TableEnvelope JSON file to the tables topic",
+        description="Signs it with TABLETUNE_SIGNING_KEY_ID/SECRET when they are set.")
+    pub.add_argument("file")
+    _bootstrap(pub)
+    pub.set_defaults(handler=run_publish)
+    follow = table_commands.add_parser(
+        "follow", help="print each envelope of a key as one JSON line (for pipelines)",
+        description="Reads the tables topic from the beginning and prints every envelope "
+        "of KEY whose version is newer than the last printed, then keeps following. "
+        "Operator controls are not printed. Ctrl-C stops.")
+    follow.add_argument("--key", required=True, help="model|drafter|hardware")
+    follow.add_argument("--exit-when-idle", action="store_true",
+                        help="stop once caught up instead of following")
+    _bootstrap(follow)
+    follow.set_defaults(handler=run_follow)
+
+    ctl = commands.add_parser("controller", help="inspect and steer the engines' tables")
+    ctl_commands = ctl.add_subparsers(title="controller commands", metavar="COMMAND")
+    show = ctl_commands.add_parser("show", help="history, active versions, recent events")
+    show.add_argument("key", help="model|drafter|hardware")
+    _bootstrap(show)
+    show.set_defaults(handler=run_show)
+    pin = ctl_commands.add_parser("pin", help="hold engines of KEY on VERSION")
+    pin.add_argument("key")
+    pin.add_argument("version", type=int)
+    _bootstrap(pin)
+    pin.set_defaults(handler=run_control, action="pin")
+    for action, text in (("unpin", "release a pin: follow the newest version again"),
+                         ("rollback", "move engines of KEY back to the previous version")):
+        sub = ctl_commands.add_parser(action, help=text)
+        sub.add_argument("key")
+        _bootstrap(sub)
+        sub.set_defaults(handler=run_control, action=action, version=None)
+
+
+def _bootstrap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap", default=None,
+                        help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings.from_env().with_bootstrap(args.bootstrap)
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    _, envelope = load_table_file(args.file)
+    if envelope is None:
+        raise TableError("publish needs a TableEnvelope, not plain triples")
+    envelope.validate()
+    offset = publish(_settings(args), envelope)
+    print(json.dumps({"published": str(envelope.key), "version": envelope.version,
+                      "offset": offset}))
+    return 0
+
+
+def run_control(args: argparse.Namespace) -> int:
+    key = TableKey.parse(args.key)
+    message = control(key, args.action, args.version)
+    offset = publish(_settings(args), message)
+    print(json.dumps({"control": args.action, "key": str(key), "version": args.version,
+                      "offset": offset}))
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    key = TableKey.parse(args.key)
+    history = []
+    for entry in read_log(settings, key):
+        if isinstance(entry.message, TableEnvelope):
+            env = entry.message
+            history.append({"offset": entry.offset, "version": env.version,
+                            "created_at": env.created_at, "table": env.table.to_vllm(),
+                            "signed_by": env.signature.key_id if env.signature else None})
+        elif isinstance(entry.message, TableControl):
+            history.append({"offset": entry.offset, "control": entry.message.action,
+                            "version": entry.message.version,
+                            "issued_at": entry.message.issued_at})
+        else:
+            history.append({"offset": entry.offset, "error": entry.error})
+    events = status_events(settings, str(key))
+    active: dict[str, int] = {}
+    for event in events:
+        if event["event"] in ("applied", "started"):
+            active[event["engine_id"]] = event.get("version", 0)
+    print(json.dumps({"key": str(key), "history": history, "active_by_engine": active,
+                      "recent_events": events[-20:]}, indent=2))
+    return 0
+
+
+def run_follow(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    key = TableKey.parse(args.key)
+    consumer = KafkaConsumer(**settings.client_kwargs(), enable_auto_commit=False)
+    printed = 0
+    try:
+        partitions = consumer.partitions_for_topic(settings.topics.tables) or set()
+        assigned = [TopicPartition(settings.topics.tables, p) for p in sorted(partitions)]
+        consumer.assign(assigned)
+        consumer.seek_to_beginning(*assigned)
+        idle = 0
+        while True:
+            batches = consumer.poll(timeout_ms=250)
+            idle = 0 if batches else idle + 1
+            if args.exit_when_idle and idle >= 4:
+                return 0
+            for messages in batches.values():
+                for message in messages:
+                    if message.key != str(key).encode():
+                        continue
+                    try:
+                        envelope = TableEnvelope.from_json(message.value)
+                    except ValueError:
+                        continue  # controls and malformed messages are not envelopes
+                    if envelope.version > printed:
+                        printed = envelope.version
+                        sys.stdout.write(envelope.to_json().decode() + "\n")
+                        sys.stdout.flush()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        consumer.close()
+
+
+def status_events(settings: Settings, key: str, timeout_s: float = 10.0) -> list[dict]:
+    consumer = KafkaConsumer(**settings.client_kwargs(), enable_auto_commit=False)
+    events: list[dict] = []
+    try:
+        partitions = consumer.partitions_for_topic(settings.topics.status) or set()
+        assigned = [TopicPartition(settings.topics.status, p) for p in sorted(partitions)]
+        if not assigned:
+            return events
+        consumer.assign(assigned)
+        consumer.seek_to_beginning(*assigned)
+        idle, deadline = 0, time.monotonic() + timeout_s
+        while idle < 3 and time.monotonic() < deadline:
+            batches = consumer.poll(timeout_ms=200)
+            idle = 0 if batches else idle + 1
+            for messages in batches.values():
+                for message in messages:
+                    try:
+                        event = json.loads(message.value)
+                    except ValueError:
+                        continue
+                    if event.get("table_key") == key:
+                        events.append(event)
+    finally:
+        consumer.close()
+    return events

@@ -1,0 +1,118 @@
+"""The engine-side follower of the tables topic: a background thread in the engine process.
+
+It reads the whole topic from the beginning with no consumer group (every engine needs every
+message of its key; nothing is committed), feeds its key's messages in order to the
+`TableAgent`, and after each poll stages the agent's desired table into the engine's
+`TableSwitch`. It confirms `applied` once the engine has switched at a step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kafka import KafkaConsumer, TopicPartition
+
+from controller.agent import TableAgent
+from controller.status import StatusPublisher
+from controller.validation import EngineLimits
+from producers.table_switch import TableSwitch
+from schemas import EnvelopeError, TableControl, TableError, parse_table_message
+from tabletune.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class TableFeed:
+    def __init__(self, settings: Settings, switch: TableSwitch, limits: EngineLimits,
+                 status: StatusPublisher) -> None:
+        self.settings = settings
+        self.switch = switch
+        self.limits = limits
+        self.status = status
+        self.agent = TableAgent(limits, settings.keyring(), status.emit)
+        self.key_bytes = str(limits.key).encode()
+        self._stop = threading.Event()
+        self._staged_version: int | None = None
+        self._staged_at = 0.0
+        self._last_desired = 0
+        """Stage on a change of decision only, so a profiler's forced table is not undone."""
+        self._thread = threading.Thread(target=self._run, name="tabletune-table-feed",
+                                        daemon=True)
+
+    def start(self) -> TableFeed:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._follow()
+            except Exception:  # keep following through broker outages and surprises
+                log.exception("table feed failed; retrying")
+                self._stop.wait(1.0)
+
+    def _follow(self) -> None:
+        topic = self.settings.topics.tables
+        consumer = KafkaConsumer(**self.settings.client_kwargs(), enable_auto_commit=False,
+                                 group_id=None)
+        try:
+            partitions = None
+            while partitions is None and not self._stop.is_set():
+                partitions = consumer.partitions_for_topic(topic)
+                if partitions is None:
+                    self._stop.wait(0.5)
+            if partitions is None:
+                return
+            assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+            consumer.assign(assigned)
+            consumer.seek_to_beginning(*assigned)
+            while not self._stop.is_set():
+                for messages in consumer.poll(timeout_ms=200).values():
+                    for message in messages:
+                        if message.key == self.key_bytes:
+                            self._handle(message.value, message.offset)
+                self._sync()
+        finally:
+            consumer.close()
+
+    def _handle(self, value: bytes, offset: int) -> None:
+        try:
+            message = parse_table_message(value)
+        except (EnvelopeError, TableError) as exc:
+            self.agent.on_rejected_message("bad_envelope", str(exc), offset=offset)
+            return
+        if isinstance(message, TableControl):
+            self.agent.on_control(message)
+        else:
+            self.agent.on_envelope(message)
+
+    def _sync(self) -> None:
+        """Stage the desired table if the engine runs another; confirm what it applied."""
+        switch = self.switch
+        desired = self.agent.desired()
+        version = 0 if desired is None else desired.version
+        if self._staged_version is not None and switch.version == self._staged_version \
+                and not switch.pending:
+            self.status.emit("applied", version=switch.version,
+                             seconds_to_apply=round(time.monotonic() - self._staged_at, 4))
+            self._staged_version = None
+        if version == self._last_desired:
+            return
+        self._last_desired = version
+        if version == switch.version and not switch.pending:
+            return
+        table = switch.startup_table if desired is None else desired.table
+        try:
+            switch.stage(table, version)
+        except TableError as exc:  # checked already; the switch has the final word
+            self.status.emit("rejected", version=version, reason="invalid_table",
+                             detail=str(exc))
+            return
+        self._staged_version = version
+        self._staged_at = time.monotonic()

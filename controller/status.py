@@ -1,0 +1,70 @@
+"""Controller events on the status topic: JSON, keyed by engine id, never blocking a caller.
+
+Events are also kept in a small in-process ring so tests, metrics and `show` can read the
+recent ones without a broker.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+from kafka import KafkaProducer
+
+from tabletune.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EVENTS = ("applied", "rejected", "rolled_back", "stale", "started")
+
+
+class StatusPublisher:
+    def __init__(self, settings: Settings | None, engine_id: str, table_key: str,
+                 history: int = 256) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.table_key = table_key
+        self.recent: deque[dict[str, Any]] = deque(maxlen=history)
+        self.errors = 0
+        self._producer: KafkaProducer | None = None
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Record and publish one event; a broker problem is counted, never raised."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown status event {event!r}")
+        payload = {"event": event, "engine_id": self.engine_id, "table_key": self.table_key,
+                   "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
+                   **fields}
+        self.recent.append(payload)
+        log.info("table status %s", payload)
+        if self.settings is not None and self.settings.bootstrap_servers:
+            self._publish(payload)
+        return payload
+
+    def _publish(self, payload: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                if self._producer is None:
+                    self._producer = KafkaProducer(**self.settings.client_kwargs(),
+                                                   max_block_ms=2000, linger_ms=5)
+                self._producer.send(self.settings.topics.status,
+                                    key=self.engine_id.encode(),
+                                    value=json.dumps(payload, default=str).encode())
+            except Exception:  # status is best effort; the decision itself already happened
+                self.errors += 1
+                log.debug("status event not published", exc_info=True)
+                if self._producer is not None:
+                    self._producer.close(timeout=0)
+                    self._producer = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._producer is not None:
+                self._producer.flush(timeout=5)
+                self._producer.close(timeout=1)
+                self._producer = None

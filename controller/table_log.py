@@ -1,0 +1,92 @@
+"""Writing to and reading from the tables topic outside engines (fitter, operators)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from schemas import (
+    EnvelopeError,
+    TableControl,
+    TableEnvelope,
+    TableError,
+    TableKey,
+    parse_table_message,
+)
+from tabletune.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    offset: int
+    timestamp_ms: int
+    message: TableEnvelope | TableControl | None
+    error: str | None = None
+
+
+def publish(settings: Settings, message: TableEnvelope | TableControl) -> int:
+    """Sign (when a signing key is configured) and publish; returns the offset."""
+    if settings.signing_key_id is not None and settings.signing_secret is not None:
+        message = message.signed(settings.signing_key_id, settings.signing_secret)
+    producer = KafkaProducer(**settings.client_kwargs(), max_block_ms=10_000)
+    try:
+        future = producer.send(settings.topics.tables, key=str(message.key).encode(),
+                               value=message.to_json())
+        return int(future.get(timeout=15).offset)
+    finally:
+        producer.close(timeout=5)
+
+
+def control(key: TableKey, action: str, version: int | None = None,
+            issued_by: str = "operator") -> TableControl:
+    return TableControl(key=key, action=action, version=version,
+                        issued_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                        issued_by=issued_by)
+
+
+def read_log(settings: Settings, key: TableKey | None = None, *,
+             idle_polls: int = 3, timeout_s: float = 30.0) -> list[LogEntry]:
+    """Every message of the tables topic (of one key), read from the beginning.
+
+    "Caught up" is decided by idle polls, not end offsets (they are unreliable on some
+    Kafka-protocol brokers)."""
+    consumer = KafkaConsumer(**settings.client_kwargs(), enable_auto_commit=False)
+    try:
+        partitions = consumer.partitions_for_topic(settings.topics.tables) or set()
+        assigned = [TopicPartition(settings.topics.tables, p) for p in sorted(partitions)]
+        if not assigned:
+            return []
+        consumer.assign(assigned)
+        consumer.seek_to_beginning(*assigned)
+        entries: list[LogEntry] = []
+        idle = 0
+        deadline = time.monotonic() + timeout_s
+        while idle < idle_polls and time.monotonic() < deadline:
+            batches = consumer.poll(timeout_ms=200)
+            idle = 0 if batches else idle + 1
+            for messages in batches.values():
+                for message in messages:
+                    if key is not None and message.key != str(key).encode():
+                        continue
+                    entries.append(_entry(message))
+        return entries
+    finally:
+        consumer.close()
+
+
+def newest_version(settings: Settings, key: TableKey) -> int:
+    versions = [e.message.version for e in read_log(settings, key)
+                if isinstance(e.message, TableEnvelope)]
+    return max(versions, default=0)
+
+
+def _entry(message: Any) -> LogEntry:
+    try:
+        parsed = parse_table_message(message.value)
+    except (EnvelopeError, TableError) as exc:
+        return LogEntry(message.offset, message.timestamp, None, str(exc))
+    return LogEntry(message.offset, message.timestamp, parsed)

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import pytest
+
+from controller.agent import Mode, TableAgent
+from controller.validation import EngineLimits
+from schemas import DraftTable, TableControl, TableEnvelope, TableKey
+
+KEY = TableKey("llama", "eagle", "h100")
+KEYRING = {"k1": b"secret"}
+
+
+def envelope(version: int, triples, key: TableKey = KEY, sign: str | None = "k1"
+             ) -> TableEnvelope:
+    env = TableEnvelope(key=key, version=version, table=DraftTable.from_vllm(triples),
+                        startup_k_values=(0, 1, 3, 5), max_batch=64,
+                        created_at="2026-11-29T00:00:00Z")
+    return env.signed(sign, KEYRING.get(sign, b"other")) if sign else env
+
+
+def control(action: str, version: int | None = None, sign: bool = True) -> TableControl:
+    ctl = TableControl(key=KEY, action=action, version=version, issued_at="now")
+    return ctl.signed("k1", b"secret") if sign else ctl
+
+
+@pytest.fixture
+def agent_and_events():
+    events: list[tuple[str, dict]] = []
+    agent = TableAgent(EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), KEYRING,
+                       lambda event, **fields: events.append((event, fields)))
+    return agent, events
+
+
+GOOD = [[1, 16, 5], [17, 64, 1]]
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        (envelope(2, [[2, 64, 1]]), "invalid_table"),
+        (envelope(2, [[1, 16, 5], [10, 64, 1]]), "invalid_table"),
+        (envelope(2, [[1, 32, 1]]), "invalid_table"),
+        (envelope(2, [[1, 64, 7]]), "invalid_table"),
+        (envelope(2, [[1, 64, 4]]), "k_not_in_startup_set"),
+        (envelope(2, GOOD, key=TableKey("other", "eagle", "h100")), "wrong_key"),
+        (envelope(2, GOOD, sign=None), "unsigned"),
+        (envelope(2, GOOD, sign="k9"), "unknown_key"),
+    ],
+)
+def test_bad_tables_are_rejected_with_reason(agent_and_events, env, reason):
+    agent, events = agent_and_events
+    agent.on_envelope(env)
+    assert events == [("rejected", {"version": 2, "reason": reason,
+                                    "detail": events[0][1]["detail"]})]
+    assert agent.desired() is None
+
+
+def test_forged_signature_and_old_version(agent_and_events):
+    agent, events = agent_and_events
+    agent.on_envelope(envelope(3, GOOD))
+    assert agent.desired().version == 3
+    forged = TableEnvelope.from_dict({**envelope(4, GOOD).to_dict(),
+                                      "table": [[1, 64, 0]]})
+    agent.on_envelope(forged)
+    agent.on_envelope(envelope(3, [[1, 64, 1]]))
+    agent.on_envelope(envelope(2, [[1, 64, 1]]))
+    assert [e[1]["reason"] for e in events] == ["bad_signature", "stale_version",
+                                                "stale_version"]
+    assert agent.desired().version == 3
+
+
+def test_pin_unpin_rollback(agent_and_events):
+    agent, events = agent_and_events
+    for version in (1, 2, 3):
+        agent.on_envelope(envelope(version, GOOD))
+    agent.on_control(control("pin", 2))
+    assert agent.state.mode is Mode.PINNED and agent.desired().version == 2
+    agent.on_envelope(envelope(4, GOOD))
+    assert agent.desired().version == 2  # pinned engines do not follow
+    agent.on_control(control("unpin"))
+    assert agent.desired().version == 4
+    agent.on_control(control("rollback"))
+    assert agent.desired().version == 2  # the version run before 4
+    assert ("rolled_back", {"version": 4, "to_version": 2, "reason": "operator"}) in events
+    agent.on_control(control("unpin"))
+    assert agent.desired().version == 3  # 4 was withdrawn; newest not withdrawn
+    agent.on_control(control("pin", 9))
+    assert events[-1][1]["reason"] == "unknown_version"
+    agent.on_control(control("rollback", sign=False))
+    assert events[-1][1]["reason"] == "unsigned"
+
+
+def test_rollback_to_startup_table(agent_and_events):
+    agent, events = agent_and_events
+    agent.on_control(control("rollback"))
+    assert events[-1][1]["reason"] == "nothing_to_roll_back"
+    agent.on_envelope(envelope(1, GOOD))
+    assert agent.roll_back("guardrail", loss=0.2) == 0
+    assert agent.desired() is None
+    assert events[-1] == ("rolled_back", {"version": 1, "to_version": 0,
+                                          "reason": "guardrail", "loss": 0.2})

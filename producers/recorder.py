@@ -278,7 +278,7 @@ class StepRecorder:
             "records_dropped": self.records_dropped,
             "records_pending": pending,
             "frames_total": self.frames_total,
-            "sink_errors": self.sink_errors,
+            "write_errors": self.sink_errors,
             "build_errors": self.build_errors,
             "deferred_pending": len(self._deferred),
             **{f"sink_{k}": v for k, v in self.sink.counters().items()},

@@ -76,6 +76,10 @@ class TableTuneHook:
             return
         sink = sink_from_url(sink_url, settings)
         self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
+        from tabletune.metrics import engine_counters, serve_metrics
+        serve_metrics("engine", lambda: engine_counters(self._tt_recorder, self._tt_switch,
+                                                        self._tt_feed),
+                      {"engine_id": identity.engine_id})
         log.info("TableTune telemetry for %s -> %s (table switch: %s)", identity.engine_id,
                  sink_url, "on" if self._tt_switch else "off, no startup table")
 

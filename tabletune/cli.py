@@ -136,6 +136,13 @@ def run_ingest(args: argparse.Namespace) -> int:
     ingestor = Ingestor(settings, IngestConfig(
         out_dir=Path(args.out), group_id=args.group, window_records=args.window_records,
         window_s=args.window_s, until_idle_s=args.until_idle))
+    from tabletune.metrics import serve_metrics
+    serve_metrics("ingest", lambda: {
+        "records_total": ingestor.counters.records, "frames_total": ingestor.counters.frames,
+        "files_total": ingestor.counters.files, "windows_total": ingestor.counters.windows,
+        "dead_lettered_total": ingestor.counters.dlq,
+        "skipped_duplicates_total": ingestor.counters.skipped_duplicates,
+    }, {"group": args.group})
     signal.signal(signal.SIGTERM, lambda signum, frame: ingestor.stop())
     try:
         counters = ingestor.run()

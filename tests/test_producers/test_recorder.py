@@ -122,7 +122,7 @@ def test_failing_sink_is_counted_not_raised(tmp_path):
         record(recorder, i)
     recorder.close()
     counters = recorder.counters()
-    assert counters["sink_errors"] == 3 and counters["records_dropped"] == 25
+    assert counters["write_errors"] == 3 and counters["records_dropped"] == 25
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,88 @@
+"""Prometheus metrics for engines and fitter jobs, collected lazily at scrape time.
+
+Nothing is updated on the engine's hot path: a custom collector reads the recorder's,
+switch's and feed's own counters when Prometheus scrapes (prometheus_client's collector
+pattern), so metrics cost the engine nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+Source = Callable[[], dict[str, float]]
+
+
+class CountersCollector(Collector):
+    """Exposes named numbers from `source()` as `tabletune_<prefix>_<name>`.
+
+    Names ending in `_total` become counters, everything else gauges."""
+
+    def __init__(self, prefix: str, source: Source, labels: dict[str, str]) -> None:
+        self.prefix = prefix
+        self.source = source
+        self.labels = labels
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            values = self.source()
+        except Exception:  # a scrape must never break the process being scraped
+            log.debug("metrics source failed", exc_info=True)
+            return
+        names, label_values = list(self.labels), list(self.labels.values())
+        for name, value in sorted(values.items()):
+            metric = f"tabletune_{self.prefix}_{name}"
+            if name.endswith("_total"):
+                family = CounterMetricFamily(metric[: -len("_total")], name, labels=names)
+            else:
+                family = GaugeMetricFamily(metric, name, labels=names)
+            family.add_metric(label_values, float(value))
+            yield family
+
+
+def serve_metrics(prefix: str, source: Source, labels: dict[str, str],
+                  port: int | None = None) -> CollectorRegistry | None:
+    """Start an HTTP endpoint on `port` (or TABLETUNE_METRICS_PORT); None when neither."""
+    if port is None:
+        text = os.environ.get("TABLETUNE_METRICS_PORT")
+        if not text:
+            return None
+        port = int(text)
+    registry = CollectorRegistry()
+    registry.register(CountersCollector(prefix, source, labels))
+    start_http_server(port, addr=os.environ.get("TABLETUNE_METRICS_ADDR", "0.0.0.0"),  # noqa: S104
+                      registry=registry)
+    log.info("TableTune %s metrics on port %d", prefix, port)
+    return registry
+
+
+def engine_counters(recorder: Any, switch: Any, feed: Any) -> dict[str, float]:
+    """What an engine exposes: telemetry delivery, the active table and the controller."""
+    out: dict[str, float] = {}
+    if recorder is not None:
+        counters = recorder.counters()
+        out["records_total"] = counters["records_total"]
+        out["records_dropped_total"] = counters["records_dropped"] + counters.get(
+            "sink_dropped_records", 0)
+        out["records_sent_total"] = counters.get("sink_sent_records", 0)
+        out["sink_errors_total"] = counters["write_errors"] + counters.get("sink_errors", 0)
+        out["queue_frames"] = counters.get("sink_queue_frames", 0)
+        out["queue_bytes"] = counters.get("sink_queue_bytes", 0)
+    if switch is not None:
+        out["table_version"] = switch.version
+        out["table_swaps_total"] = len(switch.applied)
+        out["forced"] = float(switch.forced)
+    if feed is not None:
+        events = [e["event"] for e in feed.status.recent]
+        out["table_rejections_total"] = events.count("rejected")
+        out["table_rollbacks_total"] = events.count("rolled_back")
+        out["table_stale_total"] = events.count("stale")
+    return out

@@ -23,8 +23,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_arm(model: str, arm: str, concurrency: int, max_tokens: int, rounds: int) -> float:
-    """Child process: one engine, warm-up, then median output tokens/s over rounds."""
+def run_arm(model: str, arm: str, concurrency: int, max_tokens: int, rounds: int
+            ) -> tuple[float, float]:
+    """Child process: one engine, warm-up, then median output tokens/s over rounds, and
+    CPU seconds (all threads of the process) per 1,000 output tokens.
+
+    CPU time per token is the steadier measure on a shared machine: wall-clock throughput
+    moves with whatever else runs, the process's own CPU time much less."""
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -40,13 +45,15 @@ def run_arm(model: str, arm: str, concurrency: int, max_tokens: int, rounds: int
                for i in range(concurrency)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    rates = []
+    rates, cpu_per_k = [], []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-    return statistics.median(rates)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rates.append(tokens / elapsed)
+        cpu_per_k.append(1000 * cpu / tokens)
+    return statistics.median(rates), statistics.median(cpu_per_k)
 
 
 def main() -> None:
@@ -60,9 +67,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.child:
-        rate = run_arm(args.child[0], args.child[1], args.concurrency, args.max_tokens,
-                       args.rounds)
-        print("RESULT " + json.dumps(rate), flush=True)
+        rate, cpu = run_arm(args.child[0], args.child[1], args.concurrency, args.max_tokens,
+                            args.rounds)
+        print("RESULT " + json.dumps([rate, cpu]), flush=True)
         return
 
     from bench.common import emit
@@ -88,8 +95,10 @@ def main() -> None:
                 lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
                 if done.returncode != 0 or not lines:
                     raise SystemExit(f"{arm} run failed:\n{done.stderr[-3000:]}")
-                pair[arm] = json.loads(lines[-1][7:])
+                pair[arm], pair[f"{arm}_cpu_s_per_1k_tokens"] = json.loads(lines[-1][7:])
             pair["ratio"] = pair["tabletune"] / pair["stock"]
+            pair["cpu_ratio"] = (pair["tabletune_cpu_s_per_1k_tokens"]
+                                 / pair["stock_cpu_s_per_1k_tokens"])
             pairs.append(pair)
             print(json.dumps(pair), file=sys.stderr, flush=True)
     emit("vllm_ab", {
@@ -98,6 +107,7 @@ def main() -> None:
                      "model": "tiny random Llama (2 layers, hidden 128)", "drafter": "ngram"},
         "pairs": pairs,
         "median_ratio": statistics.median(p["ratio"] for p in pairs),
+        "median_cpu_per_token_ratio": statistics.median(p["cpu_ratio"] for p in pairs),
         "median_stock_tok_s": statistics.median(p["stock"] for p in pairs),
         "median_tabletune_tok_s": statistics.median(p["tabletune"] for p in pairs),
     }, args.out)

@@ -90,7 +90,9 @@ class _ColumnBuffer:
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = self.size
-        cols = {name: pa.array(values[:n]) for name, values in self.columns.items()}
+        # Copy: pyarrow wraps numpy memory without copying, and this buffer is reused for
+        # the next frame as soon as the sink returns; a sink may keep the table.
+        cols = {name: pa.array(values[:n].copy()) for name, values in self.columns.items()}
         lengths = self.accepted_len[:n]
         offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])

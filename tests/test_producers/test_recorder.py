@@ -138,3 +138,17 @@ def test_bad_sink_urls_are_named(url, message):
 def test_recorder_config_validates():
     with pytest.raises(ValueError, match="frame_records=0"):
         RecorderConfig(frame_records=0)
+
+
+def test_tables_handed_to_a_sink_survive_buffer_reuse():
+    class KeepingSink(StuckSink):
+        def write(self, records: pa.Table) -> None:
+            self.written.append(records)  # keeps the table, as an in-memory sink would
+
+    sink = KeepingSink()
+    recorder = StepRecorder(IDENTITY, sink, max_k=4, config=RecorderConfig(frame_records=10))
+    for i in range(40):
+        record(recorder, i)
+    recorder.close()
+    seqs = [s for table in sink.written for s in table.column("step_seq").to_pylist()]
+    assert seqs == list(range(40))

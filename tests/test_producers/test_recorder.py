@@ -149,6 +149,8 @@ def test_tables_handed_to_a_sink_survive_buffer_reuse():
     recorder = StepRecorder(IDENTITY, sink, max_k=4, config=RecorderConfig(frame_records=10))
     for i in range(40):
         record(recorder, i)
+        if i % 10 == 9:
+            recorder.flush()  # hands the buffer over now, so the next frame reuses it
     recorder.close()
     seqs = [s for table in sink.written for s in table.column("step_seq").to_pylist()]
     assert seqs == list(range(40))

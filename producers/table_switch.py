@@ -10,8 +10,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from schemas import DraftTable, TableError
+
+
+class StepExplorer(Protocol):
+    """Per-step exploration (controller.exploration.Explorer): a K to run instead, or -1."""
+
+    def probe(self, batch_size: int, table_k: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +29,8 @@ class StagedTable:
     forced: bool
     """True for profile/exploration tables whose K is not a fitted choice."""
     table: DraftTable
+    explorer: StepExplorer | None = None
+    """Exploration plan that travels with this table (None: no exploration)."""
 
 
 class TableSwitch:
@@ -39,16 +48,21 @@ class TableSwitch:
         self.startup_table = table
         """What the engine was started with: the table a rollback to version 0 restores."""
         self._staged: StagedTable | None = None
+        self.explorer: StepExplorer | None = None
+        """The active table's explorer; consulted by `k_for_step` only."""
+        self.step_forced = False
+        """Whether the K of the last `k_for_step` was not the table's fitted choice."""
         self.applied: deque[StagedTable] = deque(maxlen=history)
         """Tables applied so far, newest last (read by the controller for status events)."""
 
-    def stage(self, table: DraftTable, version: int, *, forced: bool = False) -> StagedTable:
+    def stage(self, table: DraftTable, version: int, *, forced: bool = False,
+              explorer: StepExplorer | None = None) -> StagedTable:
         """Validate and expand off the engine thread; applied at the next step boundary.
 
         Raises TableError and leaves the active table untouched when the table does not
         fit this engine (K above the startup maximum, not covering 1..max_batch).
         """
-        staged = self._expand(table, version, forced=forced)
+        staged = self._expand(table, version, forced=forced, explorer=explorer)
         self._staged = staged
         return staged
 
@@ -62,6 +76,7 @@ class TableSwitch:
         self.version = staged.version
         self.forced = staged.forced
         self.table = staged.table
+        self.explorer = staged.explorer
         self.applied.append(staged)
         return staged
 
@@ -69,13 +84,30 @@ class TableSwitch:
         """K for a batch size; sizes above max_batch use the last entry, as vLLM does."""
         return self.lookup[min(batch_size, self.max_batch)]
 
+    def k_for_step(self, batch_size: int) -> int:
+        """Engine thread: K for the drafts proposed this step, exploration included.
+
+        Sets `step_forced` (what telemetry's `forced` should say for this step). Without an
+        explorer this is `k_for` plus one store.
+        """
+        k = self.lookup[min(batch_size, self.max_batch)]
+        explorer = self.explorer
+        if explorer is not None:
+            probe = explorer.probe(batch_size, k)
+            if 0 <= probe <= self.max_k and probe != k:
+                self.step_forced = True
+                return probe
+        self.step_forced = self.forced
+        return k
+
     @property
     def pending(self) -> bool:
         return self._staged is not None
 
-    def _expand(self, table: DraftTable, version: int, *, forced: bool) -> StagedTable:
+    def _expand(self, table: DraftTable, version: int, *, forced: bool,
+                explorer: StepExplorer | None = None) -> StagedTable:
         table.validate(self.max_k, self.max_batch)
         if version < 0:
             raise TableError(f"table version {version} is negative")
         return StagedTable(lookup=tuple(table.to_dense(self.max_batch)), version=version,
-                           forced=forced, table=table)
+                           forced=forced, table=table, explorer=explorer)

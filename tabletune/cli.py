@@ -75,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.set_defaults(handler=run_ingest)
 
     from controller.cli import register as register_controller
+    from fitter.cli import register as register_fitter
     from producers.twin.cli import register as register_twin
 
     register_controller(commands)
     register_twin(commands)
+    register_fitter(commands)
 
     table = commands.add_parser("table", help="check and convert draft-length tables")
     table_commands = table.add_subparsers(title="table commands", metavar="COMMAND")

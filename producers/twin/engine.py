@@ -181,7 +181,7 @@ class TwinEngine:
             emitted += completed
             finished = np.concatenate([finished, first & (b.output[d:n] == 1)])
             self._prefilling -= completed
-        k_next = self.switch.k_for(batch_size)
+        k_next = self.switch.k_for_step(batch_size)
         self._last_k_next = k_next
         b.k_pending[:d + completed] = k_next
         n_finished = int(np.count_nonzero(finished))
@@ -205,7 +205,7 @@ class TwinEngine:
                 num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                 accepted_per_pos=per_pos, kv_tokens=kv, ctx_len_mean=kv / batch_size,
                 ctx_len_max=ctx_max, step_latency_s=latency, inter_step_s=inter_step,
-                forced=self.switch.forced, ts_ns=int(t * 1e9))
+                forced=self.switch.step_forced, ts_ns=int(t * 1e9))
             if self.steps % self._backlog_check_steps == 0:
                 self._wait_for_sink(self.recorder)
         self.log.add_step(t, latency, batch_size, k_next, emitted, phase)

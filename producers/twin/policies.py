@@ -137,3 +137,6 @@ def _vllm_doc(arg: str | None) -> Policy:
 register_policy("fixed", _fixed, usage="fixed:K")
 register_policy("table", _table, usage="table:FILE")
 register_policy("vllm-doc", _vllm_doc)
+
+import producers.twin.baselines  # noqa: E402,F401  (registers dsd-goodput, ema-adaptive)
+import producers.twin.tabletune_policy  # noqa: E402,F401  (registers `tabletune`)

@@ -1,0 +1,254 @@
+"""The controller's acceptance numbers: drift recovery, rollback time, exploration cost,
+publish-to-applied latency.
+
+    .venv/bin/python bench/controller_bench.py [recovery|rollback|exploration|latency|all]
+        [--out DIR] [--envelopes 30]
+
+All twin runs use the h100-llama3.1-8b cost profile and virtual time.
+- recovery: per drift scenario and per phase after the first, the `tabletune` policy, the
+  table tabletune ran when the phase began held fixed ("stale"), and every fixed K, measured
+  over the phase after its first 2 minutes; recovery = (tabletune - stale) / (best fixed K -
+  stale), meaningful only when the stale table loses something (the loss is printed too).
+- rollback: a K=7-everywhere table planted under high load; virtual seconds to rollback.
+- exploration: the final fitted table of a steady run, with its explorer and without.
+- latency: a real embedded broker, `TableFeed`, a `TableSwitch` applied every 5 ms by an
+  "engine" thread; wall seconds from `table_log.publish` to the switch running the version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit  # noqa: E402
+from producers.twin import (  # noqa: E402
+    FixedK,
+    Policy,
+    StaticTable,
+    load_scenario,
+    run_scenario,
+)
+from producers.twin.tabletune_policy import TabletunePolicy  # noqa: E402
+from schemas import DraftTable, TableEnvelope  # noqa: E402
+
+SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
+DRIFT = ("chat-code-chat-ngram.toml", "eagle-concurrency-jump.toml", "context-growth.toml")
+SETTLE_S = 120.0
+
+
+def window_rate(summary: Any, start_s: float, end_s: float) -> float:
+    """Output tokens/s over [start_s, end_s) from the 10 s timeline."""
+    points = [rate for t, rate in summary.timeline if start_s <= t < end_s]
+    return float(np.mean(points)) if points else 0.0
+
+
+def table_at(policy: TabletunePolicy, t_s: float) -> tuple[int, DraftTable] | None:
+    assert policy.loop is not None
+    active = [(v, table) for at, v, table in policy.loop.applied if at <= t_s]
+    return active[-1] if active else None
+
+
+def recovery(name: str) -> dict[str, Any]:
+    path = SCENARIOS / name
+    scenario = load_scenario(path)
+    policy = TabletunePolicy()
+    tt = run_scenario(scenario, policy)
+    policy.close()
+    fixed = {k: run_scenario(scenario, FixedK(k)) for k in range(scenario.engine.max_k + 1)}
+    rows = []
+    for phase in tt.phases[1:]:
+        start, end = phase["start_s"] + SETTLE_S, phase["end_s"]
+        stale = table_at(policy, phase["start_s"])
+        assert stale is not None, "tabletune had no fitted table before the drift"
+        stale_run = run_scenario(scenario, StaticTable(stale[1], name=f"stale-v{stale[0]}"))
+        rates = {k: window_rate(run, start, end) for k, run in fixed.items()}
+        best_k = max(rates, key=lambda k: rates[k])
+        tt_rate, stale_rate = window_rate(tt, start, end), window_rate(stale_run, start, end)
+        loss = rates[best_k] - stale_rate
+        rows.append({
+            "scenario": name, "phase": phase["name"], "window_s": [start, end],
+            "stale_version": stale[0], "stale_table": stale[1].to_vllm(),
+            "tabletune_tok_s": round(tt_rate, 1), "stale_tok_s": round(stale_rate, 1),
+            "best_fixed_k": best_k, "best_fixed_tok_s": round(rates[best_k], 1),
+            "stale_loss_pct": round(100 * loss / rates[best_k], 2),
+            "tabletune_vs_best_pct": round(100 * (tt_rate / rates[best_k] - 1), 2),
+            "recovery": round((tt_rate - stale_rate) / loss, 3) if loss > 0 else None,
+            "stale_events": sum(1 for e in policy.loop.decisions if e["what"] == "stale"),
+            "rollbacks": sum(1 for e in policy.loop.decisions if e["what"] == "roll_back"),
+        })
+    return {"scenario": name, "phases": rows}
+
+
+def rollback(plant_at_s: float = 150.0) -> dict[str, Any]:
+    scenario = load_scenario(SCENARIOS / "eagle-high-load.toml")
+    policy = TabletunePolicy()
+    bad = DraftTable.from_vllm([[1, scenario.engine.max_num_seqs, 7]])
+    policy.plant(plant_at_s, bad)
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None and policy.status is not None
+    rolled = [e for e in policy.loop.decisions if e["what"] == "roll_back" and e["t_s"] >= plant_at_s]
+    events = [e for e in policy.status.recent if e["event"] == "rolled_back"]
+    return {
+        "scenario": "eagle-high-load.toml", "planted_at_s": plant_at_s,
+        "rolled_back_after_s": round(rolled[0]["t_s"] - plant_at_s, 2) if rolled else None,
+        "evidence": rolled[0] if rolled else None,
+        "status_event": events[0] if events else None,
+    }
+
+
+class _Explored(Policy):
+    """A fixed table, with the explorer its envelope's plan gives (or none)."""
+
+    def __init__(self, envelope: TableEnvelope, share: float) -> None:
+        self.envelope, self.share = envelope, share
+        self.name = f"table-v{envelope.version}+explore{share}"
+
+    def initial_table(self, *, max_k: int, max_batch: int) -> tuple[DraftTable, int]:
+        return self.envelope.table, self.envelope.version
+
+    def start(self, engine: Any) -> None:
+        from controller.exploration import ExplorationConfig, explorer_for
+
+        explorer = explorer_for(self.envelope.exploration, self.envelope.table,
+                                max_batch=engine.scenario.engine.max_num_seqs,
+                                k_values=range(engine.scenario.engine.max_k + 1),
+                                config=ExplorationConfig(share=self.share))
+        engine.switch.stage(self.envelope.table, self.envelope.version, explorer=explorer)
+        self.explorer = explorer
+
+
+def exploration() -> dict[str, Any]:
+    scenario = load_scenario(SCENARIOS / "sharegpt-eagle.toml")
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    envelope = policy.loop.agent.desired()
+    assert envelope is not None
+    out: dict[str, Any] = {"scenario": "sharegpt-eagle.toml", "table": envelope.table.to_vllm(),
+                           "plan_buckets": len(envelope.exploration.get("buckets", []))}
+    for share in (0.0, 0.02):
+        chosen = _Explored(envelope, share)
+        run = run_scenario(scenario, chosen)
+        explorer = getattr(chosen, "explorer", None)
+        out[f"share_{share}"] = {
+            "tok_s": round(window_rate(run, SETTLE_S, scenario.duration_s), 1),
+            "probes": 0 if explorer is None else explorer.probes, "steps": run.steps}
+    base, explored = out["share_0.0"]["tok_s"], out["share_0.02"]["tok_s"]
+    out["cost_pct"] = round(100 * (1 - explored / base), 3)
+    out["probe_share_pct"] = round(100 * out["share_0.02"]["probes"] / out["share_0.02"]["steps"], 3)
+    return out
+
+
+def publish_latency(n: int = 30) -> dict[str, Any]:
+    from controller.feed import TableFeed
+    from controller.status import StatusPublisher
+    from controller.table_log import publish
+    from controller.validation import EngineLimits
+    from producers.table_switch import TableSwitch
+    from schemas import TableKey
+    from tabletune.broker import EmbeddedBroker
+    from tabletune.settings import Settings
+
+    key = TableKey(model="bench", drafter="eagle", hardware="twin")
+    startup = DraftTable.from_vllm([[1, 256, 3]])
+    switch = TableSwitch(startup, max_k=7, max_batch=256)
+    limits = EngineLimits(key=key, startup_k_values=frozenset(range(8)), max_batch=256)
+    stop = threading.Event()
+
+    def engine() -> None:  # an engine stepping every ~5 ms
+        while not stop.wait(0.005):
+            switch.apply_staged()
+
+    from_call, from_ack = [], []
+    with EmbeddedBroker() as broker:
+        settings = Settings().with_bootstrap(broker.bootstrap)
+        status = StatusPublisher(None, "bench", str(key))
+        feed = TableFeed(settings, switch, limits, status).start()
+        stepper = threading.Thread(target=engine, daemon=True)
+        stepper.start()
+        try:
+            for version in range(1, n + 1):
+                k = version % 8
+                envelope = TableEnvelope(key=key, version=version,
+                                         table=DraftTable.from_vllm([[1, 256, k]]),
+                                         startup_k_values=tuple(range(8)), max_batch=256,
+                                         created_at="2026-01-01T00:00:00+00:00")
+                t0 = time.monotonic()
+                publish(settings, envelope)
+                t1 = time.monotonic()
+                deadline = t0 + 10.0
+                while switch.version != version and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                t2 = time.monotonic()
+                if switch.version != version:
+                    raise RuntimeError(f"version {version} not applied within 10 s")
+                from_call.append(t2 - t0)
+                from_ack.append(t2 - t1)
+        finally:
+            stop.set()
+            feed.stop()
+            stepper.join(timeout=1.0)
+
+    def pct(values: list[float], q: float) -> float:
+        return round(float(np.percentile(values, q)), 4)
+
+    return {"envelopes": n,
+            "from_publish_call_s": {"p50": pct(from_call, 50), "p99": pct(from_call, 99),
+                                    "max": round(max(from_call), 4)},
+            "from_broker_ack_s": {"p50": pct(from_ack, 50), "p99": pct(from_ack, 99)}}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["| scenario | phase | stale loss | tabletune vs best fixed | recovery |",
+             "| --- | --- | --- | --- | --- |"]
+    for entry in results.get("recovery", []):
+        for row in entry["phases"]:
+            lines.append(f"| {row['scenario']} | {row['phase']} | {row['stale_loss_pct']}% "
+                         f"| {row['tabletune_vs_best_pct']}% | {row['recovery']} |")
+    if "rollback" in results:
+        lines.append(f"\nplanted K=7 table rolled back after "
+                     f"{results['rollback']['rolled_back_after_s']} s (virtual)")
+    if "exploration" in results:
+        lines.append(f"exploration cost {results['exploration']['cost_pct']}% "
+                     f"(probe share {results['exploration']['probe_share_pct']}%)")
+    if "latency" in results:
+        lat = results["latency"]["from_publish_call_s"]
+        lines.append(f"publish-to-applied p50 {lat['p50']} s, p99 {lat['p99']} s")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", default="all",
+                        choices=["recovery", "rollback", "exploration", "latency", "all"])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--envelopes", type=int, default=30)
+    parser.add_argument("--scenario", action="append", default=None,
+                        help="drift scenario file name(s) under producers/twin/scenarios")
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    if args.what in ("recovery", "all"):
+        results["recovery"] = [recovery(name) for name in (args.scenario or DRIFT)]
+    if args.what in ("rollback", "all"):
+        results["rollback"] = rollback()
+    if args.what in ("exploration", "all"):
+        results["exploration"] = exploration()
+    if args.what in ("latency", "all"):
+        results["latency"] = publish_latency(args.envelopes)
+    emit("controller_bench", results, args.out)
+    if args.out:
+        (Path(args.out) / "controller_bench.md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Drift detection: live steps against what the active table's envelope predicted.
+
+Pure: `set_envelope` when a table becomes active, `observe` each chunk of step records,
+and a `DriftReport` comes back when the table has gone stale; the caller emits `stale` with
+the report's fields so the fitter refits. Three signals, each with its magnitude:
+
+- latency: log(observed / predicted) step latency on pure-decode steps that verified and
+  proposed the table's K (the envelope's `surface.latency_s`, interpolated in batch size);
+  context growth, a new kernel or a throttled GPU all show here;
+- acceptance: tokens per drafting request, observed over predicted (`surface.acceptance_length`
+  at the K the step verified, exploration steps included since they are honest samples);
+  a change in the workload mix shows here;
+- coverage: the share of steps at batch sizes far outside the ones the table was fitted on
+  (a load jump: the table there is an extrapolation however good the residuals look).
+
+A signal fires when, over the sliding window, its magnitude passes its threshold and its
+z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.
+The fitter's own misfit is learned per table as a reference over the first `reference_s`
+of the watch, so a fit that is 3% off everywhere is not "drift" - a change after it is.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controller.steps import StepColumns
+
+
+class DriftState(enum.Enum):
+    BLIND = "blind"
+    """The active table carries no prediction (startup or hand-made table)."""
+    REFERENCE = "reference"
+    """Learning this table's misfit against its own prediction."""
+    WATCHING = "watching"
+    STALE = "stale"
+    """Reported; quiet until a new table or `renotify_s` passes."""
+
+
+@dataclass(frozen=True, slots=True)
+class DriftConfig:
+    window_s: float = 30.0
+    """Sliding window over which residuals are averaged."""
+    reference_s: float = 20.0
+    """Residuals over this long after a table becomes active are its misfit reference."""
+    warmup_s: float = 2.0
+    latency_threshold: float = 0.10
+    """Relative latency change (beyond the reference) that makes a table stale."""
+    acceptance_threshold: float = 0.15
+    coverage_threshold: float = 0.5
+    """Share of steps outside the fitted batch range that makes a table stale."""
+    coverage_factor: float = 2.0
+    """'Outside' = batch size above factor x the largest fitted one, or below 1/factor x the
+    smallest."""
+    z: float = 5.0
+    min_steps: int = 200
+    renotify_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.reference_s < 0 or self.min_steps < 2:
+            raise ValueError(f"window_s={self.window_s}, reference_s={self.reference_s}, "
+                             f"min_steps={self.min_steps}: need > 0, >= 0, >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class DriftReport:
+    signal: str
+    """latency | acceptance | coverage"""
+    magnitude: float
+    """Relative change (observed / predicted - 1, beyond the reference), or the share."""
+    z: float
+    steps: int
+    version: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"signal": self.signal, "magnitude": round(self.magnitude, 4),
+                "z": round(min(self.z, 999.0), 2), "steps": self.steps, "version": self.version}
+
+
+_STATS = 8  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps
+
+
+class DriftDetector:
+    def __init__(self, max_batch: int, config: DriftConfig | None = None) -> None:
+        self.config = config or DriftConfig()
+        self.max_batch = max_batch
+        self.state = DriftState.BLIND
+        self.version = 0
+        self._latency: NDArray[np.float64] | None = None
+        """Predicted log latency, dense (max_batch + 1, max_k + 1); NaN where unknown."""
+        self._al: NDArray[np.float64] | None = None
+        self._fitted_range: tuple[int, int] | None = None
+        self._since_s = 0.0
+        self._reported_s = 0.0
+        self._window: deque[tuple[float, NDArray[np.float64]]] = deque()
+        """(chunk end, summed stats of the chunk), newest last."""
+        self._ref_lat = 0.0
+        self._ref_acc = 0.0
+        self._ref_stats = np.zeros(_STATS)
+
+    def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
+                     fitted_batch_range: tuple[int, int] | None = None) -> None:
+        """A table became active at `at_s`; `surface` is its envelope's (None: no prediction)."""
+        self.version = version
+        self._window.clear()
+        self._since_s = at_s
+        self._ref_stats = np.zeros(_STATS)
+        self._ref_lat = self._ref_acc = 0.0
+        self._fitted_range = fitted_batch_range
+        if not surface or "latency_s" not in surface:
+            self._latency = self._al = None
+            self.state = DriftState.BLIND
+            return
+        batch = np.asarray(surface["batch_sizes"], dtype=np.float64)
+        k_values = [int(k) for k in surface["k_values"]]
+        latency = np.asarray(surface["latency_s"], dtype=np.float64)
+        dense = np.full((self.max_batch + 1, max(k_values) + 1), np.nan)
+        al = np.full(max(k_values) + 1, np.nan)
+        grid = np.arange(self.max_batch + 1, dtype=np.float64)
+        for j, k in enumerate(k_values):
+            dense[:, k] = np.log(np.interp(grid, batch, latency[:, j]))
+            al[k] = float(surface["acceptance_length"][j])
+        self._latency, self._al = dense, al
+        self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
+
+    def observe(self, steps: StepColumns) -> DriftReport | None:
+        """Add a chunk of records; a report when the active table has just gone stale."""
+        if self._latency is None or len(steps) == 0:
+            return None
+        cfg = self.config
+        steps = steps.select((steps.version == self.version)
+                             & (steps.t_s >= self._since_s + cfg.warmup_s))
+        if len(steps) == 0:
+            return None
+        now_s = float(steps.t_s[-1])
+        stats = self._stats(steps)
+        if self.state is DriftState.REFERENCE:
+            self._ref_stats += stats
+            if now_s - self._since_s >= cfg.warmup_s + cfg.reference_s:
+                self._ref_lat, self._ref_acc = self._means(self._ref_stats)
+                self.state = DriftState.WATCHING
+            return None
+        self._window.append((now_s, stats))
+        while self._window and self._window[0][0] < now_s - cfg.window_s:
+            self._window.popleft()
+        if self.state is DriftState.STALE:
+            if now_s - self._reported_s < cfg.renotify_s:
+                return None
+            self.state = DriftState.WATCHING
+        report = self._check()
+        if report is not None:
+            self.state = DriftState.STALE
+            self._reported_s = now_s
+        return report
+
+    # ---- internals ------------------------------------------------------------------------
+    def _stats(self, steps: StepColumns) -> NDArray[np.float64]:
+        assert self._latency is not None and self._al is not None
+        stats = np.zeros(_STATS)
+        batch = np.minimum(steps.batch_size, self.max_batch)
+        max_k = self._latency.shape[1] - 1
+        steady = (steps.table_steps() & (steps.prefill_reqs == 0) & (steps.k == steps.k_next)
+                  & (steps.k <= max_k) & (steps.decode_reqs > 0))
+        predicted = self._latency[batch[steady], steps.k[steady]]
+        ok = np.isfinite(predicted)
+        resid = np.log(steps.latency_s[steady][ok]) - predicted[ok]
+        stats[0], stats[1], stats[2] = resid.size, resid.sum(), (resid * resid).sum()
+        drafting = (steps.num_drafts > 0) & (steps.k > 0) & (steps.k <= max_k)
+        al = self._al[steps.k[drafting]]
+        ok = np.isfinite(al)
+        observed = (steps.accepted[drafting][ok] + steps.num_drafts[drafting][ok]).astype(float)
+        expected = steps.num_drafts[drafting][ok] * al[ok]
+        stats[3], stats[4], stats[5] = ok.sum(), observed.sum(), expected.sum()
+        if self._fitted_range is not None:
+            low, high = self._fitted_range
+            factor = self.config.coverage_factor
+            outside = (steps.batch_size > factor * high) | (steps.batch_size * factor < low)
+            stats[6] = float(outside.sum())
+        stats[7] = len(steps)
+        return stats
+
+    @staticmethod
+    def _means(stats: NDArray[np.float64]) -> tuple[float, float]:
+        """Mean log latency residual and log acceptance ratio of summed stats."""
+        lat = stats[1] / stats[0] if stats[0] else 0.0
+        acc = math.log(stats[4] / stats[5]) if stats[4] > 0 and stats[5] > 0 else 0.0
+        return float(lat), float(acc)
+
+    def _check(self) -> DriftReport | None:
+        """Standard errors come from chunk means (batch means), not steps: consecutive
+        steps share their requests, so per-step residuals are far from independent and a
+        per-step z would call a few unusual requests a drift."""
+        cfg = self.config
+        chunks = np.array([entry[1] for entry in self._window])
+        stats = chunks.sum(axis=0)
+        steps = int(stats[7])
+        if steps >= cfg.min_steps and stats[6] >= cfg.coverage_threshold * steps:
+            return DriftReport("coverage", stats[6] / steps, math.inf, steps, self.version)
+        lat, acc = self._means(stats)
+        candidates = []
+        for signal, column, value, ref, threshold in (
+                ("latency", 0, lat, self._ref_lat, cfg.latency_threshold),
+                ("acceptance", 3, acc, self._ref_acc, cfg.acceptance_threshold)):
+            usable = chunks[chunks[:, column] > 0]
+            if stats[column] < cfg.min_steps or len(usable) < 4:
+                continue
+            per_chunk = np.array([self._means(chunk)[0 if column == 0 else 1]
+                                  for chunk in usable])
+            se = float(np.std(per_chunk, ddof=1)) / math.sqrt(len(usable))
+            shift = value - ref
+            candidates.append((signal, shift, abs(shift) / se if se > 0 else math.inf,
+                               threshold))
+        for signal, shift, z, threshold in candidates:
+            if abs(shift) >= math.log1p(threshold) and z >= cfg.z:
+                return DriftReport(signal, math.expm1(self._recent_shift(signal)), z, steps,
+                                   self.version)
+        return None
+
+    def _recent_shift(self, signal: str) -> float:
+        """The shift over the newest `min_steps` steps: a drift is caught while the window
+        still mixes old and new steps, and the fitter wants the size of the new regime."""
+        stats = np.zeros(_STATS)
+        column = 0 if signal == "latency" else 3
+        for _, chunk in reversed(self._window):
+            stats += chunk
+            if stats[column] >= self.config.min_steps:
+                break
+        lat, acc = self._means(stats)
+        return lat - self._ref_lat if signal == "latency" else acc - self._ref_acc

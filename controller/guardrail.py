@@ -1,0 +1,200 @@
+"""The guardrail: is the table just swapped in worse than the one it replaced?
+
+Pure: fed step records (`StepColumns`), returns a `Verdict`; the caller acts on it
+(`TableAgent.roll_back(reason, **evidence)` in an engine, the twin policy's switch in the twin).
+
+Comparable windows. Goodput depends on load and on the workload, not only on the table, so
+the comparison is stratified by batch-size bucket (octaves) and the baseline is only the
+previous table's most recent steps before the swap (`baseline_window_s`); `reset_baseline`
+drops older ones when drift was detected, because steps from before a drift do not compare
+with steps after it. Per bucket, goodput is a ratio estimator (tokens / seconds) whose
+variance comes from the delta method; buckets are combined in log space, weighted by the new
+table's time share, so the verdict is about the traffic the engine actually serves.
+
+Roll back only when the *upper* confidence bound of new/old goodput is below 1 - threshold:
+confident that the new table is worse by more than the threshold, so a table equal to the old
+one is never rolled back by noise, however long it is watched.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from controller.steps import StepColumns, batch_bucket
+
+N_BUCKETS = 16
+"""Octave buckets cover batch sizes up to 65535."""
+
+
+class GuardState(enum.Enum):
+    IDLE = "idle"
+    """No swap under watch; recent steps feed the next baseline."""
+    WATCHING = "watching"
+    """A swap is under watch."""
+
+
+class Verdict(enum.Enum):
+    HOLD = "hold"
+    """Not enough evidence either way (or nothing under watch)."""
+    KEEP = "keep"
+    """The new table is, with confidence, not worse by more than the threshold."""
+    ROLL_BACK = "roll_back"
+    """The new table is, with confidence, worse by more than the threshold."""
+    INCONCLUSIVE = "inconclusive"
+    """The watch deadline passed without comparable evidence; the new table stays."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardrailConfig:
+    threshold: float = 0.03
+    """Roll back when the new table is worse than this fraction of the old one's goodput."""
+    z: float = 3.0
+    """One-sided confidence multiplier (3.0: 0.13% false alarms per look, before looks)."""
+    baseline_window_s: float = 60.0
+    """The old table's steps this long before the swap form the baseline."""
+    warmup_s: float = 2.0
+    """Steps right after the swap are skipped (drafts proposed under the old table)."""
+    min_steps_per_bucket: int = 100
+    """A bucket counts only with this many steps in both windows."""
+    max_watch_s: float = 300.0
+    """Deadline: after this long without a confident verdict the new table stays."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
+        if self.z <= 0 or self.min_steps_per_bucket < 2:
+            raise ValueError(f"z={self.z} must be > 0 and min_steps_per_bucket="
+                             f"{self.min_steps_per_bucket} >= 2")
+
+
+def _ratio_sums(tokens: NDArray[np.float64], seconds: NDArray[np.float64],
+                bucket: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Per bucket: n, sum x, sum y, sum xx, sum yy, sum xy (x = seconds, y = tokens)."""
+    out = np.zeros((N_BUCKETS, 6))
+    bucket = np.minimum(bucket, N_BUCKETS - 1)
+    for j, values in enumerate((np.ones_like(tokens), seconds, tokens, seconds * seconds,
+                                tokens * tokens, seconds * tokens)):
+        out[:, j] = np.bincount(bucket, weights=values, minlength=N_BUCKETS)
+    return out
+
+
+def ratio_log_estimate(sums: NDArray[np.float64]) -> tuple[NDArray[np.float64],
+                                                            NDArray[np.float64]]:
+    """log(goodput) per bucket and its variance (delta method on the ratio estimator)."""
+    n, sx, sy, sxx, syy, sxy = (sums[:, j] for j in range(6))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = sy / sx
+        resid = (syy - 2 * rate * sxy + rate * rate * sxx) / np.maximum(n - 1, 1)
+        var_rate = np.maximum(resid, 0.0) * n / (sx * sx)
+        return np.log(rate), var_rate / (rate * rate)
+
+
+@dataclass
+class _Watch:
+    new_version: int
+    old_version: int
+    at_s: float
+    baseline: NDArray[np.float64]
+    candidate: NDArray[np.float64] = field(default_factory=lambda: np.zeros((N_BUCKETS, 6)))
+
+
+class Guardrail:
+    """Watches one swap at a time; `observe` every chunk of records, read `verdict`."""
+
+    def __init__(self, config: GuardrailConfig | None = None) -> None:
+        self.config = config or GuardrailConfig()
+        self.state = GuardState.IDLE
+        self._recent: deque[tuple[float, int, NDArray[np.float64]]] = deque()
+        """(chunk end time, version, per-bucket sums) of table steps, newest last."""
+        self._watch: _Watch | None = None
+        self.last_evidence: dict[str, Any] = {}
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def observe(self, steps: StepColumns) -> None:
+        if len(steps) == 0:
+            return
+        steps = steps.select(steps.table_steps() & (steps.decode_reqs > 0))
+        if len(steps) == 0:
+            return
+        end_s = float(steps.t_s[-1])
+        watch = self._watch
+        for version in np.unique(steps.version):
+            part = steps.select(steps.version == version)
+            if watch is not None and version == watch.new_version:
+                part = part.select(part.t_s >= watch.at_s + self.config.warmup_s)
+                watch.candidate += self._sums(part)
+            # every table's recent steps stay: the table under watch is the next baseline
+            self._recent.append((end_s, int(version), self._sums(part)))
+        horizon = end_s - self.config.baseline_window_s
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+
+    def arm(self, new_version: int, old_version: int, at_s: float) -> None:
+        """A swap from `old_version` to `new_version` happened at `at_s`: start watching."""
+        baseline = np.zeros((N_BUCKETS, 6))
+        for end_s, version, sums in self._recent:
+            if version == old_version and end_s >= at_s - self.config.baseline_window_s:
+                baseline += sums
+        self._watch = _Watch(new_version, old_version, at_s, baseline)
+        self.state = GuardState.WATCHING
+
+    def disarm(self) -> None:
+        self._watch = None
+        self.state = GuardState.IDLE
+
+    def reset_baseline(self) -> None:
+        """Drift was detected: earlier steps no longer compare with later ones."""
+        self._recent.clear()
+        if self._watch is not None:
+            self._watch.baseline[:] = 0.0
+
+    # ---- output ---------------------------------------------------------------------------
+    def verdict(self, now_s: float) -> Verdict:
+        """KEEP/ROLL_BACK/INCONCLUSIVE end the watch; `last_evidence` says why."""
+        watch = self._watch
+        if watch is None:
+            return Verdict.HOLD
+        cfg = self.config
+        enough = ((watch.baseline[:, 0] >= cfg.min_steps_per_bucket)
+                  & (watch.candidate[:, 0] >= cfg.min_steps_per_bucket))
+        verdict = Verdict.HOLD
+        if enough.any():
+            log_new, var_new = ratio_log_estimate(watch.candidate[enough])
+            log_old, var_old = ratio_log_estimate(watch.baseline[enough])
+            weight = watch.candidate[enough, 1] / watch.candidate[enough, 1].sum()
+            log_ratio = float(np.sum(weight * (log_new - log_old)))
+            sd = float(np.sqrt(np.sum(weight * weight * (var_new + var_old))))
+            limit = math.log1p(-cfg.threshold)
+            self.last_evidence = {
+                "old_version": watch.old_version, "new_version": watch.new_version,
+                "goodput_ratio": round(math.exp(log_ratio), 4),
+                "ratio_upper": round(math.exp(log_ratio + cfg.z * sd), 4),
+                "ratio_lower": round(math.exp(log_ratio - cfg.z * sd), 4),
+                "threshold": cfg.threshold,
+                "buckets": [int(b) for b in np.flatnonzero(enough)],
+                "steps_new": int(watch.candidate[enough, 0].sum()),
+                "steps_old": int(watch.baseline[enough, 0].sum()),
+                "watched_s": round(now_s - watch.at_s, 2),
+            }
+            if log_ratio + cfg.z * sd < limit:
+                verdict = Verdict.ROLL_BACK
+            elif log_ratio - cfg.z * sd > limit:
+                verdict = Verdict.KEEP
+        if verdict is Verdict.HOLD and now_s - watch.at_s >= cfg.max_watch_s:
+            verdict = Verdict.INCONCLUSIVE
+            self.last_evidence = {**self.last_evidence, "old_version": watch.old_version,
+                                  "new_version": watch.new_version}
+        if verdict is not Verdict.HOLD:
+            self.disarm()
+        return verdict
+
+    @staticmethod
+    def _sums(steps: StepColumns) -> NDArray[np.float64]:
+        return _ratio_sums(steps.tokens, steps.latency_s, batch_bucket(steps.batch_size))

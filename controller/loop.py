@@ -1,0 +1,293 @@
+"""The closed loop on one engine: profile, follow, refit, explore, guard, detect drift.
+
+Fed telemetry records and the clock (`tick(now_s, records)`), it drives a `TableSwitch`
+through the same decisions production makes: a fitted envelope goes through
+`TableAgent.on_envelope` (validation, versions), the agent's desired table is staged with its
+explorer, the `Guardrail` watches every swap and a ROLL_BACK goes through
+`TableAgent.roll_back(reason, **evidence)`, the `DriftDetector` emits `stale` and triggers a
+short re-profile and a refit. Time is whatever the records say (virtual time in the twin),
+so the loop runs in-process at any speed; every wait is a deadline on that clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from controller.agent import TableAgent
+from controller.drift import DriftConfig, DriftDetector
+from controller.exploration import ExplorationConfig, explorer_for
+from controller.guardrail import Guardrail, GuardrailConfig, GuardState, Verdict
+from controller.refit_gate import predicted_gain
+from controller.status import StatusPublisher
+from controller.steps import StepColumns
+from controller.validation import EngineLimits
+from producers.table_switch import TableSwitch
+from schemas import DraftTable, TableEnvelope
+
+log = logging.getLogger(__name__)
+
+Fit = Callable[..., TableEnvelope]
+"""fit(records, *, key, max_k, max_batch, startup_k_values, version, half_life_s, ...)."""
+
+
+class LoopState(enum.Enum):
+    PROFILING = "profiling"
+    """Forced-K sweep on a cold engine; ends with the first table."""
+    LIVE = "live"
+    """Following fitted tables; refits, exploration, guardrail and drift detection on."""
+    REPROFILING = "reprofiling"
+    """Drift was detected: a short forced sweep, then a refit on the new regime only."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    profile_block_s: float = 2.0
+    """Each K of the startup set runs this long in the first sweep ..."""
+    profile_rounds: int = 2
+    """... this many times over (rounds spread each K over time and load)."""
+    reprofile_on_stale: bool = True
+    reprofile_block_s: float = 2.0
+    reprofile_baseline_s: float = 8.0
+    """After a re-profile the stale table runs again this long, unforced, as the
+    guardrail's comparable baseline for the refit that follows."""
+    refit_interval_s: float = 30.0
+    fit_window_s: float = 180.0
+    half_life_s: float = 60.0
+    min_gain: float = 0.01
+    """A periodic refit is published only if it predicts at least this much more goodput."""
+    rollback_cooldown_s: float = 60.0
+    """No periodic refit this long after a rollback (the same fit would come back)."""
+    exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
+    guardrail: GuardrailConfig = field(default_factory=GuardrailConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
+
+
+@dataclass
+class _Sweep:
+    blocks: list[int | None]
+    """K per block; None = the current table, unforced (a baseline for the guardrail)."""
+    block_s: list[float]
+    started_s: float
+    index: int = -1
+
+
+class ClosedLoop:
+    def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
+                 fit: Fit, config: LoopConfig | None = None) -> None:
+        self.switch = switch
+        self.limits = limits
+        self.status = status
+        self.fit = fit
+        self.config = config or LoopConfig()
+        self.agent = TableAgent(limits, {}, status.emit)
+        self.guardrail = Guardrail(self.config.guardrail)
+        self.drift = DriftDetector(limits.max_batch, self.config.drift)
+        self.k_values = tuple(sorted(limits.startup_k_values))
+        self.state = LoopState.PROFILING
+        self._records: deque[pa.Table] = deque()
+        self._data_since_s = 0.0
+        self._active_version = switch.version
+        self._next_refit_s = 0.0
+        self._cooldown_until_s = 0.0
+        self._staged: tuple[int, float] | None = None
+        self._sweep: _Sweep | None = None
+        self._fitted_range: tuple[int, int] | None = None
+        self._anchor: pa.Table | None = None
+        """Records of the last (re-)profile sweep."""
+        self.decisions: list[dict[str, Any]] = []
+        """Every decision with its virtual time, for benchmarks and tests."""
+        self.applied: list[tuple[float, int, DraftTable]] = []
+        """(virtual time, version, table) of each table the loop staged, in order."""
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def start(self, now_s: float) -> None:
+        cfg = self.config
+        blocks: list[int | None] = [*self.k_values] * cfg.profile_rounds
+        self._sweep = _Sweep(blocks, [cfg.profile_block_s] * len(blocks), now_s)
+        self._note(now_s, "profile", blocks=len(blocks))
+
+    def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True) -> None:
+        """An envelope arrives from the tables topic (or the loop's own fit)."""
+        self.agent.on_envelope(envelope)
+        self._sync(now_s, guard=guard)
+
+    def tick(self, now_s: float, records: pa.Table | None) -> None:
+        """Once per control interval with the records recorded since the last tick."""
+        self._confirm_applied(now_s)
+        if records is not None and records.num_rows:
+            self._records.append(records)
+            self._trim(now_s)
+            steps = StepColumns.from_records(records)
+            if self.state is LoopState.LIVE:
+                self._watch(steps, now_s)
+            else:  # unforced baseline blocks of a re-profile feed the guardrail
+                self.guardrail.observe(steps)
+        if self.state is not LoopState.LIVE:
+            self._advance_sweep(now_s)
+        elif now_s >= self._next_refit_s:
+            self._refit(now_s, reason="periodic", force=False)
+
+    # ---- live watching --------------------------------------------------------------------
+    def _watch(self, steps: StepColumns, now_s: float) -> None:
+        self.guardrail.observe(steps)
+        verdict = self.guardrail.verdict(now_s)
+        if verdict is Verdict.ROLL_BACK:
+            evidence = dict(self.guardrail.last_evidence)
+            self._note(now_s, "roll_back", **evidence)
+            evidence.pop("old_version", None)
+            evidence.pop("new_version", None)
+            self.agent.roll_back("guardrail", **evidence)
+            self._sync(now_s, guard=False)
+            self._cooldown_until_s = now_s + self.config.rollback_cooldown_s
+            self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
+            return
+        if verdict is not Verdict.HOLD:
+            self._note(now_s, verdict.value, **self.guardrail.last_evidence)
+        report = self.drift.observe(steps)
+        if report is None:
+            return
+        self.status.emit("stale", **report.fields())
+        self._note(now_s, "stale", **report.fields())
+        self.guardrail.reset_baseline()
+        self._data_since_s = now_s
+        if self.config.reprofile_on_stale and report.signal != "latency":
+            # acceptance beyond the table's K is censored and a new load range unobserved:
+            # only a sweep shows them; latency drift is visible at the table's own K
+            cfg = self.config
+            blocks: list[int | None] = [*self.k_values, None]
+            lengths = [cfg.reprofile_block_s] * len(self.k_values) + [cfg.reprofile_baseline_s]
+            self._sweep = _Sweep(blocks, lengths, now_s)
+            self.state = LoopState.REPROFILING
+        else:
+            self._next_refit_s = now_s + self.config.drift.window_s
+
+    # ---- sweeps ---------------------------------------------------------------------------
+    def _advance_sweep(self, now_s: float) -> None:
+        sweep = self._sweep
+        assert sweep is not None
+        elapsed = now_s - sweep.started_s
+        ends = np.cumsum(sweep.block_s)
+        index = int(np.searchsorted(ends, elapsed, side="right"))
+        if index >= len(sweep.blocks):
+            first = self.state is LoopState.PROFILING
+            self._anchor = self._window(now_s, since_s=sweep.started_s)
+            self._sweep = None
+            self.state = LoopState.LIVE
+            self._refit(now_s, reason="profile" if first else "stale", force=True)
+            return
+        if index == sweep.index:
+            return
+        sweep.index = index
+        k = sweep.blocks[index]
+        if k is None:
+            desired = self.agent.desired()
+            table = self.switch.startup_table if desired is None else desired.table
+            self.switch.stage(table, self._active_version)
+        else:
+            self.switch.stage(DraftTable.from_vllm([[1, self.limits.max_batch, k]]),
+                              self._active_version, forced=True)
+
+    # ---- fitting --------------------------------------------------------------------------
+    def _refit(self, now_s: float, *, reason: str, force: bool) -> None:
+        cfg = self.config
+        self._next_refit_s = now_s + cfg.refit_interval_s
+        if not force and (now_s < self._cooldown_until_s
+                          or self.guardrail.state is GuardState.WATCHING):
+            return
+        records = self._fit_records(now_s)
+        if records is None or records.num_rows < 200:
+            return
+        version = self.agent.state.newest_version + 1
+        try:
+            envelope = self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
+                                max_batch=self.limits.max_batch,
+                                startup_k_values=self.k_values, version=version,
+                                half_life_s=None if reason == "profile" else cfg.half_life_s,
+                                now_ns=int(now_s * 1e9),
+                                provenance={"reason": reason})
+        except (ValueError, np.linalg.LinAlgError) as exc:
+            self._note(now_s, "fit_failed", reason=reason, error=str(exc))
+            return
+        batch = records.column("batch_size").to_numpy().astype(np.int64)
+        current = self.switch.table
+        gain = predicted_gain(envelope, current, batch[-2000:])
+        self._note(now_s, "refit", reason=reason, version=version, gain=round(gain, 4),
+                   records=records.num_rows)
+        if not force and gain < cfg.min_gain:
+            return
+        low, high = (int(v) for v in np.percentile(batch, [1, 99]))
+        self._fitted_range = (max(low, 1), max(high, 1))
+        self.publish(envelope, now_s, guard=reason != "profile")
+
+    def _window(self, now_s: float, since_s: float | None = None) -> pa.Table | None:
+        if not self._records:
+            return None
+        cutoff = max(now_s - self.config.fit_window_s, self._data_since_s)
+        if since_s is not None:
+            cutoff = since_s
+        table = pa.concat_tables(self._records)
+        return table.filter(pc.greater_equal(table.column("ts_ns"), int(cutoff * 1e9)))
+
+    def _fit_records(self, now_s: float) -> pa.Table | None:
+        """The recent window plus the last sweep's records: live steps only show the
+        table's K, the sweep anchors the fit at every other K until the next sweep."""
+        recent = self._window(now_s)
+        anchor = self._anchor
+        if anchor is None or recent is None or recent.num_rows == 0:
+            return recent
+        first_ns = recent.column("ts_ns")[0].as_py()
+        older = anchor.filter(pc.less(anchor.column("ts_ns"), first_ns))
+        return pa.concat_tables([older, recent]) if older.num_rows else recent
+
+    def _trim(self, now_s: float) -> None:
+        horizon_ns = int((now_s - self.config.fit_window_s) * 1e9)
+        while self._records and self._records[0].column("ts_ns")[-1].as_py() < horizon_ns:
+            self._records.popleft()
+
+    # ---- the switch -----------------------------------------------------------------------
+    def _sync(self, now_s: float, *, guard: bool) -> None:
+        """Stage the agent's desired table if it is not the one running."""
+        desired = self.agent.desired()
+        version = 0 if desired is None else desired.version
+        if version == self._active_version and not self.switch.forced:
+            return
+        table = self.switch.startup_table if desired is None else desired.table
+        explorer = None
+        if desired is not None:
+            explorer = explorer_for(desired.exploration, table,
+                                    max_batch=self.limits.max_batch, k_values=self.k_values,
+                                    config=self.config.exploration)
+        previous = self._active_version
+        self.switch.stage(table, version, explorer=explorer)
+        self._active_version = version
+        self._staged = (version, now_s)
+        self.applied.append((now_s, version, table))
+        if guard and previous != 0:
+            self.guardrail.arm(version, previous, now_s)
+        else:
+            self.guardrail.disarm()
+        self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
+                                fitted_batch_range=self._fitted_range)
+        self._note(now_s, "stage", version=version, table=table.to_vllm())
+
+    def _confirm_applied(self, now_s: float) -> None:
+        if self._staged is None or self.switch.pending:
+            return
+        version, staged_at = self._staged
+        if self.switch.version == version:
+            self.status.emit("applied", version=version,
+                             seconds_to_apply=round(now_s - staged_at, 4))
+        self._staged = None
+
+    def _note(self, now_s: float, what: str, **fields: Any) -> None:
+        self.decisions.append({"t_s": round(now_s, 3), "what": what, **fields})
+        log.debug("loop %s at %.1f s: %s", what, now_s, fields)

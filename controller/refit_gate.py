@@ -1,0 +1,40 @@
+"""Is a refit worth a swap? The candidate's own surface judges both tables on today's load.
+
+Both tables are scored under the candidate's fitted surface (it is the newest knowledge of
+the engine), on the batch sizes the engine actually ran recently, so a table that differs
+only where no traffic goes is not worth a swap (every swap is a guardrail watch and a risk).
+Stand-in for `fitter.refit.decide_refit` until that exists; same question, pure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from schemas import DraftTable, TableEnvelope
+
+
+def predicted_gain(candidate: TableEnvelope, current: DraftTable,
+                   batch_sizes: NDArray[np.int64]) -> float:
+    """Relative goodput gain of `candidate.table` over `current`, weighted by `batch_sizes`.
+
+    0.0 when the candidate carries no surface or no steps are given.
+    """
+    surface = candidate.surface
+    if not surface or "goodput_tok_s" not in surface or batch_sizes.size == 0:
+        return 0.0
+    grid = np.asarray(surface["batch_sizes"], dtype=np.int64)
+    k_index = {int(k): j for j, k in enumerate(surface["k_values"])}
+    goodput = np.asarray(surface["goodput_tok_s"], dtype=np.float64)
+    rows = np.clip(np.searchsorted(grid, np.minimum(batch_sizes, grid[-1])), 0, grid.size - 1)
+    weight = np.bincount(rows, minlength=grid.size).astype(np.float64)
+    new_dense = candidate.table.to_dense(int(grid[-1]))
+    old_dense = current.to_dense(int(grid[-1]))
+    new_col = np.array([k_index.get(new_dense[b], -1) for b in grid])
+    old_col = np.array([k_index.get(old_dense[b], -1) for b in grid])
+    if (new_col < 0).any() or (old_col < 0).any():
+        return 0.0
+    at = np.arange(grid.size)
+    new = float(np.sum(weight * goodput[at, new_col]))
+    old = float(np.sum(weight * goodput[at, old_col]))
+    return new / old - 1.0 if old > 0 else 0.0

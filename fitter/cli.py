@@ -1,0 +1,142 @@
+"""`tabletune profile` and `tabletune fit`: wired in by `register(commands)`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from schemas import TableKey
+from tabletune.settings import Settings
+
+
+def register(commands: Any) -> None:
+    """Add `profile` and `fit` to a parser's sub-commands."""
+    profile = commands.add_parser(
+        "profile", help="profile a cold engine and write its first table",
+        description="Forces K for every batch size through the engine's table switch "
+        "(telemetry marks those steps forced), drives a closed-loop load, and chooses each "
+        "next (concurrency, K) cell where the fitted goodput surface is least sure which K "
+        "wins - not a full grid. Writes DIR/table.json: a TableEnvelope whose vLLM triples "
+        "are under 'table'. With twin:SCENARIO the scenario supplies cost model, drafter "
+        "and acceptance, and the budget is virtual engine time.")
+    profile.add_argument("--engine", required=True, metavar="twin:SCENARIO|openai:URL",
+                         help="twin:FILE.toml or twin:NAME (a built-in scenario such as "
+                         "sharegpt-eagle), or openai:http://host:port of a vLLM server")
+    profile.add_argument("--max-k", type=int, default=None,
+                         help="largest K to try (default: the engine's startup K)")
+    profile.add_argument("--budget-s", type=float, default=120.0,
+                         help="engine seconds for the whole sweep (default 120)")
+    profile.add_argument("--out", required=True, metavar="DIR", help="folder for table.json")
+    profile.add_argument("--cells", type=int, default=24,
+                         help="cells that share the budget (default 24)")
+    profile.add_argument("--sink", default=None,
+                         help="twin: also send the profile's telemetry to kafka://host:port "
+                         "or file:///dir")
+    profile.add_argument("--model", default=None, help="openai: model name to request")
+    profile.add_argument("--prompts", default=None,
+                         help="openai: a file with one prompt per line (default: generated)")
+    profile.add_argument("--parquet", default=None,
+                         help="openai: Parquet telemetry the server's hook produces (via "
+                         "`tabletune ingest`), read after the load")
+    profile.add_argument("--json", action="store_true", help="print the result as JSON")
+    profile.add_argument("--no-progress", action="store_true", help="no progress bar")
+    profile.set_defaults(handler=run_profile)
+
+    fit = commands.add_parser(
+        "fit", help="refit from live telemetry; publish only when it pays",
+        description="Fits the Parquet telemetry (mostly the K the current table chose, "
+        "plus exploration steps) and derives a candidate table. With --publish it is "
+        "published as version newest+1 only when its predicted gain over the current table "
+        "(the newest on the tables topic, or --current) exceeds --threshold, or when the "
+        "table is flagged stale (--stale, or a 'stale' status event under --watch). The "
+        "candidate is always written to --out.")
+    fit.add_argument("--parquet", required=True, metavar="DIR", help="telemetry dataset")
+    fit.add_argument("--since", default=None, metavar="30m",
+                     help="only steps this recent: 90s, 30m, 2h, 1d (default: all)")
+    fit.add_argument("--out", required=True, metavar="FILE", help="candidate envelope JSON")
+    fit.add_argument("--publish", action="store_true", help="publish when the decision says so")
+    fit.add_argument("--bootstrap", default=None,
+                     help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
+    fit.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+                     help="table key (default: the one key in the records)")
+    fit.add_argument("--max-k", type=int, default=None,
+                     help="largest K (default: the current table's startup set, else the "
+                     "largest K in the records)")
+    fit.add_argument("--max-batch", type=int, default=None,
+                     help="default: the current envelope's, else the largest batch seen")
+    fit.add_argument("--startup-k", type=int, nargs="+", default=None, metavar="K",
+                     help="K values the engines started with (default: the current "
+                     "envelope's, else 0..max-k)")
+    fit.add_argument("--threshold", type=float, default=0.01,
+                     help="publish above this predicted relative gain (default 0.01)")
+    fit.add_argument("--half-life-s", type=float, default=1800.0,
+                     help="recency half-life of steps (default 1800)")
+    fit.add_argument("--current", default=None, metavar="FILE",
+                     help="the current envelope from a file instead of the tables topic")
+    fit.add_argument("--stale", action="store_true", help="treat the current table as stale")
+    fit.add_argument("--watch", action="store_true",
+                     help="repeat every --period and on 'stale' status events")
+    fit.add_argument("--period", type=float, default=300.0,
+                     help="seconds between refits with --watch (default 300)")
+    fit.set_defaults(handler=run_fit)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from fitter.profile import ProfileError, profile
+    from fitter.profile_progress import ProgressBar
+    from producers.sinks import SinkError, sink_from_url
+    from producers.twin.config import ScenarioError
+
+    options: dict[str, Any] = {}
+    if args.engine.startswith("openai:"):
+        options = {k: v for k, v in (("model", args.model), ("prompts", args.prompts),
+                                     ("parquet", args.parquet)) if v is not None}
+    try:
+        sink = sink_from_url(args.sink) if args.sink else None
+        with ProgressBar(args.budget_s, enabled=not args.no_progress) as bar:
+            result = profile(args.engine, max_k=args.max_k, budget_s=args.budget_s,
+                             out_dir=args.out, cells=args.cells, sink=sink,
+                             on_progress=bar.update, **options)
+    except (ProfileError, ScenarioError, SinkError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"wrote {result.path}: {json.dumps(result.envelope.table.to_vllm())} "
+              f"({result.records} steps, {result.engine_time_s:.1f} s engine time, "
+              f"{len(result.cells)} cells, {result.wall_s:.1f} s wall)")
+    return 0
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from fitter.refit import RefitError, parse_since
+    from fitter.refit_loop import RefitJob, refit_once, watch
+
+    try:
+        settings = Settings.from_env().with_bootstrap(args.bootstrap)
+        if args.publish:
+            settings.require_bootstrap()
+        job = RefitJob(
+            parquet=Path(args.parquet),
+            since=parse_since(args.since) if args.since else None,
+            out=Path(args.out), key=TableKey.parse(args.key) if args.key else None,
+            max_k=args.max_k, max_batch=args.max_batch, startup_k_values=args.startup_k,
+            threshold=args.threshold, half_life_s=args.half_life_s,
+            current_file=Path(args.current) if args.current else None,
+            publish=args.publish, settings=settings)
+        if args.watch:
+            watch(job, period_s=args.period,
+                  on_outcome=lambda o: print(json.dumps(o.to_dict()), flush=True))
+            return 0
+        outcome = refit_once(job, stale=args.stale)
+    except (RefitError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    print(json.dumps(outcome.to_dict()))
+    return 0

@@ -1,0 +1,162 @@
+"""The profile sweep: a first draft table for a cold engine within a fixed engine-time budget.
+
+    from fitter.profile import profile
+    result = profile("twin:producers/twin/scenarios/sharegpt-eagle.toml", out_dir="prof")
+    result.envelope            # the TableEnvelope, also written to prof/table.json
+
+The sweep forces K for every batch size through the engine's table switch (telemetry marks
+those steps `forced`), drives a closed-loop load at a chosen concurrency, and picks each next
+(concurrency, K) cell where the argmax of the fitted goodput surface is least certain
+(`fitter.profile_plan`). The table is then derived from all profile steps exactly as a refit
+derives one from live telemetry (`fitter.derive`), so the two are comparable version to
+version.
+
+Engines: `twin:SCENARIO` (a scenario file, or the name of a built-in one) runs here on
+virtual time; `openai:URL` drives a vLLM server's completions API (`fitter.profile_openai`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
+from fitter.profile_plan import DEFAULT_CONCURRENCIES, concurrency_levels
+from fitter.profile_twin import CellRun, ProgressCallback, run_twin_profile
+from fitter.surface.fit import fit_surface
+from producers.recorder import Sink
+from producers.twin.config import Scenario
+from producers.twin.scenario_file import load_scenario
+from schemas import TableEnvelope, TableKey
+
+DEFAULT_BUDGET_S = 120.0
+"""Two minutes of engine time (virtual time on the twin)."""
+DEFAULT_CELLS = 24
+"""Cells per budget: enough for the seed design plus ~20 adaptive picks, each long enough
+(5 s of the default budget) for a few hundred steps even at the top load."""
+MIN_CELL_S = 1.0
+BUILTIN_SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
+
+
+class ProfileError(ValueError):
+    """A profile request that cannot run; the message names the problem."""
+
+
+@dataclasses.dataclass
+class ProfileResult:
+    """What a sweep produced: the table envelope and how it was measured."""
+
+    envelope: TableEnvelope
+    cells: list[CellRun]
+    engine_time_s: float
+    wall_s: float
+    records: int
+    path: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"table": self.envelope.table.to_vllm(), "version": self.envelope.version,
+                "key": str(self.envelope.key), "engine_time_s": round(self.engine_time_s, 3),
+                "wall_s": round(self.wall_s, 3), "records": self.records,
+                "cells": [c.to_dict() for c in self.cells],
+                "path": str(self.path) if self.path else None}
+
+
+def resolve_twin_scenario(spec: str) -> Scenario:
+    """A scenario file path, or the stem of a built-in scenario (`sharegpt-eagle`)."""
+    path = Path(spec)
+    if not path.exists():
+        builtin = BUILTIN_SCENARIOS / f"{spec}.toml"
+        if not builtin.exists():
+            known = ", ".join(sorted(p.stem for p in BUILTIN_SCENARIOS.glob("*.toml")))
+            raise ProfileError(f"twin:{spec}: no such scenario file or built-in scenario "
+                               f"(built-in: {known})")
+        path = builtin
+    return load_scenario(path)
+
+
+def profile(engine: str | Scenario, *, max_k: int | None = None,
+            budget_s: float = DEFAULT_BUDGET_S, out_dir: str | Path | None = None,
+            cells: int = DEFAULT_CELLS,
+            concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES,
+            tolerance: float = DEFAULT_TOLERANCE, version: int = 1,
+            sink: Sink | None = None, on_progress: ProgressCallback | None = None,
+            **openai_options: Any) -> ProfileResult:
+    """Profile a cold engine and derive its first table; write `out_dir/table.json`.
+
+    `engine` is `twin:SCENARIO`, a `Scenario`, or `openai:URL` (then `openai_options` go to
+    `fitter.profile_openai.profile_openai`). `max_k` defaults to the engine's startup K;
+    `budget_s` is engine time; `cells` how many cells share it; `sink` receives the profile's
+    telemetry as well (twin only).
+    """
+    if budget_s <= 0:
+        raise ProfileError(f"budget_s={budget_s} must be > 0")
+    if cells < 1:
+        raise ProfileError(f"cells={cells} must be >= 1")
+    if isinstance(engine, str) and engine.startswith("openai:"):
+        from fitter.profile_openai import profile_openai
+
+        return profile_openai(engine.removeprefix("openai:"), max_k=max_k, budget_s=budget_s,
+                              out_dir=out_dir, cells=cells, concurrencies=concurrencies,
+                              tolerance=tolerance, version=version, on_progress=on_progress,
+                              **openai_options)
+    if openai_options:
+        raise ProfileError(f"options {sorted(openai_options)} only apply to openai:URL")
+    if isinstance(engine, str):
+        if not engine.startswith("twin:"):
+            raise ProfileError(f"engine {engine!r}: expected twin:SCENARIO or openai:URL")
+        scenario = resolve_twin_scenario(engine.removeprefix("twin:"))
+    else:
+        scenario = engine
+    limits = scenario.engine
+    top_k = limits.max_k if max_k is None else max_k
+    if not 0 <= top_k <= limits.max_k:
+        raise ProfileError(f"max_k={top_k} is outside the engine's startup range "
+                           f"0..{limits.max_k}")
+    k_values = tuple(range(top_k + 1))
+    loads = concurrency_levels(limits.max_num_seqs, concurrencies)
+    started = time.monotonic()
+    run = run_twin_profile(scenario, k_values=k_values, concurrencies=loads,
+                           budget_s=budget_s, cell_s=max(MIN_CELL_S, budget_s / cells),
+                           fit_max_k=top_k, sink=sink, on_progress=on_progress)
+    key = TableKey(limits.model, scenario.drafter.method, limits.hardware)
+    envelope = envelope_from_records(
+        run.records, key=key, max_k=top_k, max_batch=limits.max_num_seqs,
+        startup_k_values=k_values, version=version, tolerance=tolerance,
+        provenance={"source": "profile", "engine": f"twin:{scenario.name}",
+                    "engine_time_s": round(run.engine_time_s, 3),
+                    "cells": [c.to_dict() for c in run.cells]})
+    result = ProfileResult(envelope=envelope, cells=run.cells, engine_time_s=run.engine_time_s,
+                           wall_s=time.monotonic() - started, records=run.records.num_rows)
+    if out_dir is not None:
+        result.path = write_table(envelope, out_dir)
+    return result
+
+
+def envelope_from_records(records: Any, *, key: TableKey, max_k: int, max_batch: int,
+                          startup_k_values: Sequence[int], version: int, tolerance: float,
+                          provenance: dict[str, Any]) -> TableEnvelope:
+    """Fit all profile steps with equal weight (they are all equally recent) and derive.
+
+    Same estimators and derivation as a refit, so a profiled and a refitted table differ
+    only by their data. The table is derived at the context per request the profile saw at
+    each batch size (`fitter.surface.telemetry.context_by_batch`).
+    """
+    fit = fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=None)
+    return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
+                           startup_k_values=startup_k_values, tolerance=tolerance,
+                           provenance=provenance)
+
+
+def write_table(envelope: TableEnvelope, out_dir: str | Path) -> Path:
+    """`out_dir/table.json`: the envelope, vLLM triples under `table`."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "table.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(envelope.to_dict(), indent=2, sort_keys=True) + "\n")
+    temporary.replace(path)
+    return path

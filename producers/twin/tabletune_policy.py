@@ -1,0 +1,179 @@
+"""`tabletune`: the whole system as a twin policy, on virtual time and in-process.
+
+The engine records every step through its `StepRecorder` (the same one vLLM's hook uses);
+this policy keeps a copy of the frames in memory (`MemorySink`) and, every `tick_s` of
+virtual time, hands them with the clock to a `controller.loop.ClosedLoop`, which profiles,
+fits with `fitter.derive.fit_table`, decides through a `TableAgent`, and stages tables with
+their explorers into the engine's `TableSwitch`. No broker is needed: the tables topic is
+replaced by a direct `ClosedLoop.publish`, the one thing that differs from production.
+
+    run_scenario("producers/twin/scenarios/load-drift.toml", "tabletune")
+    run_scenario(..., "tabletune:explore=0,refit=20")
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from producers.identity import EngineIdentity
+from producers.recorder import StepRecorder
+from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
+from schemas import DraftTable, TableEnvelope, TableKey
+
+if TYPE_CHECKING:
+    from controller.loop import ClosedLoop, LoopConfig
+    from controller.status import StatusPublisher
+    from producers.twin.engine import StepStats, TwinEngine
+
+
+class MemorySink:
+    """Keeps frames until taken; optionally forwards them to another sink too."""
+
+    def __init__(self, forward: object | None = None) -> None:
+        self.forward = forward
+        self._frames: deque[pa.Table] = deque()
+        self._lock = threading.Lock()
+        self.records = 0
+
+    def write(self, records: pa.Table) -> None:
+        # The recorder's tables alias its recycled column buffers (pa.array of numpy is
+        # zero-copy): a sink that keeps a table past `write` must copy it.
+        records = records.take(pa.array(range(records.num_rows), type=pa.int64()))
+        with self._lock:
+            self._frames.append(records)
+            self.records += records.num_rows
+        if self.forward is not None:
+            self.forward.write(records)  # type: ignore[attr-defined]
+
+    def take(self) -> pa.Table | None:
+        with self._lock:
+            frames, self._frames = list(self._frames), deque()
+        return pa.concat_tables(frames) if frames else None
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return True if self.forward is None else bool(self.forward.flush(timeout_s))  # type: ignore[attr-defined]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.forward is not None:
+            self.forward.close(timeout_s)  # type: ignore[attr-defined]
+
+    def counters(self) -> dict[str, int]:
+        return {"memory_records": self.records}
+
+
+class TabletunePolicy(Policy):
+    name = "tabletune"
+    step_interval = 4
+
+    def __init__(self, config: LoopConfig | None = None, *, tick_s: float = 1.0,
+                 startup: DraftTable = VLLM_DOC_TABLE) -> None:
+        from controller.loop import LoopConfig  # the controller loads only when this runs
+
+        self.config = config or LoopConfig()
+        self.tick_s = tick_s
+        self.startup = startup
+        self.loop: ClosedLoop | None = None
+        self.status: StatusPublisher | None = None
+        self._sink = MemorySink()
+        self._recorder: StepRecorder | None = None
+        self._own_recorder = False
+        self._next_tick_s = 0.0
+        self._planned: list[tuple[float, DraftTable]] = []
+
+    def initial_table(self, *, max_k: int, max_batch: int) -> tuple[DraftTable, int]:
+        dense = [min(k, max_k) for k in self.startup.to_dense(max_batch)]
+        return DraftTable.from_dense(dense), 0
+
+    def plant(self, at_s: float, table: DraftTable) -> None:
+        """Publish `table` (as if from the tables topic) at virtual time `at_s` (a test of
+        the guardrail: a bad table that must be rolled back)."""
+        self._planned.append((at_s, table))
+        self._planned.sort(key=lambda entry: entry[0])
+
+    def start(self, engine: TwinEngine) -> None:
+        from controller.loop import ClosedLoop
+        from controller.status import StatusPublisher
+        from controller.validation import EngineLimits
+        from fitter.derive import fit_table  # the fitter's heavy imports only when used
+
+        scenario = engine.scenario
+        limits = scenario.engine
+        key = TableKey(model=limits.model, drafter=scenario.drafter.method,
+                       hardware=limits.hardware)
+        if engine.recorder is None:
+            identity = EngineIdentity(engine_id=limits.engine_id, model=limits.model,
+                                      drafter=scenario.drafter.method,
+                                      hardware=limits.hardware)
+            engine.recorder = StepRecorder(identity, self._sink, max_k=limits.max_k)
+            self._own_recorder = True
+        else:  # keep what the caller's sink gets, and see it too
+            self._sink.forward = engine.recorder.sink
+            engine.recorder.sink = self._sink
+        self._recorder = engine.recorder
+        self.status = StatusPublisher(None, limits.engine_id, str(key), history=4096)
+        engine_limits = EngineLimits(key=key, startup_k_values=frozenset(range(limits.max_k + 1)),
+                                     max_batch=limits.max_num_seqs)
+        self.loop = ClosedLoop(engine.switch, engine_limits, self.status, fit_table, self.config)
+        self.loop.start(engine.clock_s)
+        self._next_tick_s = engine.clock_s + self.tick_s
+
+    def on_step(self, engine: TwinEngine, step: StepStats) -> None:
+        now = step.t_s
+        if now < self._next_tick_s or self.loop is None or self._recorder is None:
+            return
+        self._next_tick_s = now + self.tick_s
+        self._recorder.flush(timeout_s=30.0)
+        self.loop.tick(now, self._sink.take())
+        while self._planned and self._planned[0][0] <= now:
+            _, table = self._planned.pop(0)
+            self.loop.publish(self._envelope(table), now)
+        if now + step.step_latency_s >= engine.end_s and not engine.drain:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the recorder this policy started (run_scenario closes only its own)."""
+        if self._own_recorder and self._recorder is not None:
+            self._recorder.close(timeout_s=5.0)
+            self._own_recorder = False
+
+    def _envelope(self, table: DraftTable) -> TableEnvelope:
+        assert self.loop is not None
+        limits = self.loop.limits
+        return TableEnvelope(key=limits.key, version=self.loop.agent.state.newest_version + 1,
+                             table=table, startup_k_values=tuple(sorted(limits.startup_k_values)),
+                             max_batch=limits.max_batch, created_at="1970-01-01T00:00:00+00:00",
+                             provenance={"planted": True})
+
+
+def _factory(arg: str | None) -> Policy:
+    """`tabletune[:explore=SHARE,refit=SECONDS,threshold=FRACTION,reprofile=0|1]`."""
+    options: dict[str, float] = {}
+    for part in (arg or "").split(","):
+        if not part:
+            continue
+        name, _, value = part.partition("=")
+        try:
+            options[name] = float(value)
+        except ValueError:
+            raise PolicyError(f"tabletune:{arg}: {part!r} is not NAME=NUMBER") from None
+    unknown = set(options) - {"explore", "refit", "threshold", "reprofile"}
+    if unknown:
+        raise PolicyError(f"tabletune: unknown option(s) {sorted(unknown)}")
+    from controller.exploration import ExplorationConfig
+    from controller.guardrail import GuardrailConfig
+    from controller.loop import LoopConfig
+
+    config = LoopConfig(
+        exploration=ExplorationConfig(share=options.get("explore", 0.02)),
+        refit_interval_s=options.get("refit", 30.0),
+        guardrail=GuardrailConfig(threshold=options.get("threshold", 0.03)),
+        reprofile_on_stale=bool(options.get("reprofile", 1.0)),
+    )
+    return TabletunePolicy(config)
+
+
+register_policy("tabletune", _factory, usage="tabletune[:explore=S,refit=S,threshold=F]")

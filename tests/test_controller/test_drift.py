@@ -1,0 +1,111 @@
+"""The drift detector flags a shifted acceptance or latency (with its magnitude), a load that
+left the fitted range, and stays quiet on noise around the prediction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controller.drift import DriftConfig, DriftDetector, DriftState
+from controller.steps import StepColumns
+
+K_VALUES = [0, 1, 2, 3]
+AL = [1.0, 1.7, 2.1, 2.4]
+
+
+def surface() -> dict[str, Any]:
+    batch = [1, 2, 4, 8, 16, 32, 64, 128]
+    latency = [[0.008 + 0.0001 * b * (k + 1) for k in K_VALUES] for b in batch]
+    return {"batch_sizes": batch, "k_values": K_VALUES, "latency_s": latency,
+            "acceptance_length": AL}
+
+
+def steps(rng: np.random.Generator, t0: float, n: int, *, latency_factor: float = 1.0,
+          acceptance_factor: float = 1.0, batch: int = 32, k: int = 2) -> StepColumns:
+    """Steps as the prediction says (times the factors), with 3% latency noise and
+    binomial-ish acceptance noise."""
+    decode = np.full(n, batch)
+    latency = (0.008 + 0.0001 * batch * (k + 1)) * latency_factor
+    latency_s = latency * (1 + 0.03 * rng.standard_normal(n))
+    mean_accepted = batch * (AL[k] * acceptance_factor - 1)
+    accepted = rng.poisson(mean_accepted, n)
+    return StepColumns(
+        t_s=t0 + np.arange(n) * latency, batch_size=decode, decode_reqs=decode,
+        prefill_reqs=np.zeros(n, np.int64), k=np.full(n, k), k_next=np.full(n, k),
+        num_drafts=decode, accepted=accepted, latency_s=latency_s,
+        version=np.full(n, 7), forced=np.zeros(n, bool))
+
+
+def feed(detector: DriftDetector, rng: np.random.Generator, seconds: range,
+         **shift: Any) -> list[Any]:
+    reports = []
+    for second in seconds:
+        report = detector.observe(steps(rng, float(second), 60, **shift))
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+def fresh(**config: Any) -> DriftDetector:
+    detector = DriftDetector(max_batch=128, config=DriftConfig(**config))
+    detector.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48))
+    return detector
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_around_the_prediction_is_not_drift(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    detector = fresh()
+    assert feed(detector, rng, range(0, 120)) == []
+    assert detector.state is DriftState.WATCHING
+
+
+def test_acceptance_shift_is_flagged_with_its_magnitude() -> None:
+    rng = np.random.default_rng(1)
+    detector = fresh()
+    assert feed(detector, rng, range(0, 40)) == []
+    reports = feed(detector, rng, range(40, 80), acceptance_factor=1.3)
+    assert len(reports) == 1  # reported once, then quiet until renotify_s
+    report = reports[0]
+    assert report.signal == "acceptance"
+    assert report.magnitude == pytest.approx(0.3, abs=0.08)
+    assert report.fields()["version"] == 7
+    assert detector.state is DriftState.STALE
+
+
+def test_latency_shift_is_flagged() -> None:
+    rng = np.random.default_rng(2)
+    detector = fresh()
+    feed(detector, rng, range(0, 40))
+    reports = feed(detector, rng, range(40, 80), latency_factor=1.25)
+    assert [r.signal for r in reports] == ["latency"]
+    assert reports[0].magnitude == pytest.approx(0.25, abs=0.05)
+
+
+def test_a_constant_misfit_is_learned_as_the_reference() -> None:
+    """A fit 8% off from the start is the fitter's bias, not drift."""
+    rng = np.random.default_rng(3)
+    detector = fresh()
+    assert feed(detector, rng, range(0, 120), latency_factor=1.08) == []
+
+
+def test_load_outside_the_fitted_range_is_flagged() -> None:
+    rng = np.random.default_rng(4)
+    detector = fresh()
+    feed(detector, rng, range(0, 30))
+    reports = []
+    for second in range(30, 60):
+        report = detector.observe(steps(rng, float(second), 60, batch=128))
+        if report is not None:
+            reports.append(report)
+    assert [r.signal for r in reports] == ["coverage"]
+
+
+def test_a_table_without_prediction_is_not_watched() -> None:
+    detector = DriftDetector(max_batch=128)
+    detector.set_envelope(3, None, at_s=0.0)
+    rng = np.random.default_rng(5)
+    assert feed(detector, rng, range(0, 30), latency_factor=2.0) == []
+    assert detector.state is DriftState.BLIND

@@ -1,0 +1,100 @@
+"""The guardrail rolls back a clearly worse table, never an equal one, and waits for
+comparable evidence (same batch-size buckets) before judging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.guardrail import Guardrail, GuardrailConfig, GuardState, Verdict
+from controller.steps import StepColumns
+
+
+def steps(rng: np.random.Generator, *, version: int, t0: float, n: int, goodput: float,
+          batch: int = 64, noise: float = 0.05) -> StepColumns:
+    """n decode steps of `batch` requests at about `goodput` tokens/s, 20 ms apart."""
+    latency = 0.02 * (1 + noise * rng.standard_normal(n))
+    tokens = goodput * 0.02 * (1 + noise * rng.standard_normal(n))
+    decode = np.full(n, batch)
+    return StepColumns(
+        t_s=t0 + 0.02 * np.arange(n), batch_size=decode, decode_reqs=decode,
+        prefill_reqs=np.zeros(n, np.int64), k=np.full(n, 3), k_next=np.full(n, 3),
+        num_drafts=decode, accepted=np.round(tokens - batch).astype(np.int64),
+        latency_s=latency, version=np.full(n, version), forced=np.zeros(n, bool))
+
+
+def run(ratio: float, *, seed: int, chunks: int = 40) -> list[Verdict]:
+    """Baseline 60 s of version 1, swap to version 2 whose goodput is `ratio` x, then
+    look after every 1 s chunk (sequential looks, as the loop does)."""
+    rng = np.random.default_rng(seed)
+    guard = Guardrail(GuardrailConfig())
+    for second in range(60):
+        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0))
+    guard.arm(2, 1, at_s=60.0)
+    verdicts = []
+    for second in range(60, 60 + chunks):
+        guard.observe(steps(rng, version=2, t0=second, n=50, goodput=6000.0 * ratio))
+        verdicts.append(guard.verdict(second + 1.0))
+        if verdicts[-1] is not Verdict.HOLD:
+            break
+    return verdicts
+
+
+def test_clearly_worse_table_is_rolled_back_within_seconds() -> None:
+    verdicts = run(0.85, seed=1)
+    assert verdicts[-1] is Verdict.ROLL_BACK
+    assert len(verdicts) <= 10  # 10 s of steps at 50 steps/s is plenty for a 15% loss
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_equal_table_is_kept_never_rolled_back(seed: int) -> None:
+    verdicts = run(1.0, seed=seed)
+    assert Verdict.ROLL_BACK not in verdicts
+    assert verdicts[-1] is Verdict.KEEP
+
+
+def test_slightly_worse_within_threshold_is_not_rolled_back() -> None:
+    for seed in range(10):
+        assert Verdict.ROLL_BACK not in run(0.99, seed=seed)
+
+
+def test_no_comparable_bucket_means_no_verdict_until_the_deadline() -> None:
+    rng = np.random.default_rng(3)
+    guard = Guardrail(GuardrailConfig(max_watch_s=30.0))
+    for second in range(30):
+        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0, batch=8))
+    guard.arm(2, 1, at_s=30.0)
+    for second in range(30, 59):  # far worse, but at another load: not comparable
+        guard.observe(steps(rng, version=2, t0=second, n=50, goodput=1000.0, batch=128))
+        assert guard.verdict(second + 1.0) is Verdict.HOLD
+    guard.observe(steps(rng, version=2, t0=59, n=50, goodput=1000.0, batch=128))
+    assert guard.verdict(61.0) is Verdict.INCONCLUSIVE
+    assert guard.state is GuardState.IDLE
+
+
+def test_exploration_steps_do_not_count() -> None:
+    rng = np.random.default_rng(4)
+    guard = Guardrail()
+    for second in range(30):
+        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0))
+    guard.arm(2, 1, at_s=30.0)
+    for second in range(30, 60):
+        chunk = steps(rng, version=2, t0=second, n=50, goodput=6000.0)
+        forced = np.zeros(50, bool)
+        forced[::5] = True  # probes look terrible; they and the step after are left out
+        chunk = StepColumns(**{**{name: getattr(chunk, name) for name in chunk.__slots__},
+                               "forced": forced,
+                               "accepted": np.where(forced | np.roll(forced, 1), 0,
+                                                    chunk.accepted)})
+        guard.observe(chunk)
+        verdict = guard.verdict(second + 1.0)
+        assert verdict is not Verdict.ROLL_BACK
+        if verdict is Verdict.KEEP:
+            break
+    else:
+        pytest.fail("an equal table with probes was never kept")
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        GuardrailConfig(threshold=0.0)

@@ -82,8 +82,11 @@ class _Sweep:
 
 class ClosedLoop:
     def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
-                 fit: Fit, config: LoopConfig | None = None) -> None:
+                 fit: Fit, config: LoopConfig | None = None,
+                 mirror: Callable[[TableEnvelope], None] | None = None) -> None:
         self.switch = switch
+        self.mirror = mirror
+        """Called with each envelope the loop fits and publishes (e.g. to the tables topic)."""
         self.limits = limits
         self.status = status
         self.fit = fit
@@ -226,6 +229,8 @@ class ClosedLoop:
             return
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))
+        if self.mirror is not None:
+            self.mirror(envelope)
         self.publish(envelope, now_s, guard=reason != "profile")
 
     def _window(self, now_s: float, since_s: float | None = None) -> pa.Table | None:

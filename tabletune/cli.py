@@ -74,13 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest a record waits in a window, seconds (default 10)")
     ingest.set_defaults(handler=run_ingest)
 
+    demo = commands.add_parser(
+        "demo", help="run the whole system on this machine and write a report",
+        description="Embedded broker, a fleet of twin engines (EAGLE and n-gram groups), "
+        "telemetry to Kafka and Parquet, profile, first table, live traffic, a drift, "
+        "stale, refit, swap; then a comparison with fixed K and vLLM's example table. "
+        "Writes OUT/report.md with PNG plots. A few minutes on 2 cores.")
+    demo.add_argument("--out", default="demo-out", help="report folder (default demo-out)")
+    demo.add_argument("--phase-s", type=float, default=300.0,
+                      help="virtual seconds per traffic phase (default 300)")
+    demo.add_argument("--engines-per-group", type=int, default=2)
+    demo.set_defaults(handler=run_demo_command)
+
     from controller.cli import register as register_controller
     from fitter.cli import register as register_fitter
     from producers.twin.cli import register as register_twin
+    from tabletune.suite.cli import register as register_suite
 
     register_controller(commands)
     register_twin(commands)
     register_fitter(commands)
+    register_suite(commands)
 
     table = commands.add_parser("table", help="check and convert draft-length tables")
     table_commands = table.add_subparsers(title="table commands", metavar="COMMAND")
@@ -127,6 +141,13 @@ def run_broker(args: argparse.Namespace) -> int:
         pass
     finally:
         broker.stop()
+    return 0
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from tabletune.demo import run_demo
+
+    run_demo(Path(args.out), phase_s=args.phase_s, engines_per_group=args.engines_per_group)
     return 0
 
 

@@ -42,17 +42,19 @@ def surface_heatmap(surface: Mapping[str, Any], table: Sequence[Sequence[int]], 
 
 
 def table_steps(tables: Mapping[str, Sequence[Sequence[int]]],
-                best_k_by_load: Mapping[int, int], max_batch: int, title: str,
+                best_k_by_load: Mapping[str, Mapping[int, int]], max_batch: int, title: str,
                 path: Path) -> Path:
-    """Tables as step functions of B, against the best fixed K measured at each load."""
+    """Tables as step functions of B, against the best fixed K measured at each load
+    (one series of points per traffic mix)."""
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
     batch = np.arange(1, max_batch + 1)
     for (name, table), style in zip(tables.items(), ("-", "--", ":", "-."), strict=False):
         ax.step(batch, [_k_for(table, int(b)) for b in batch], style, where="post", lw=2,
                 label=name)
-    loads = sorted(best_k_by_load)
-    ax.plot(loads, [best_k_by_load[c] for c in loads], "ko", ms=7,
-            label="best fixed K at that concurrency (measured)")
+    for (label, best), marker in zip(best_k_by_load.items(), ("o", "s", "^"), strict=False):
+        loads = sorted(best)
+        ax.plot(loads, [best[c] for c in loads], marker, color="black", mfc="none"
+                if marker != "o" else "black", ms=7, label=f"best fixed K, {label} (measured)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B (log scale)")
     ax.set_ylabel("draft length K")

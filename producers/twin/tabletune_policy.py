@@ -23,6 +23,7 @@ from producers.identity import EngineIdentity
 from producers.recorder import StepRecorder
 from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
 from schemas import DraftTable, TableEnvelope, TableKey
+from tabletune.settings import Settings
 
 if TYPE_CHECKING:
     from controller.loop import ClosedLoop, LoopConfig
@@ -70,12 +71,16 @@ class TabletunePolicy(Policy):
     step_interval = 4
 
     def __init__(self, config: LoopConfig | None = None, *, tick_s: float = 1.0,
-                 startup: DraftTable = VLLM_DOC_TABLE) -> None:
+                 startup: DraftTable = VLLM_DOC_TABLE, settings: Settings | None = None
+                 ) -> None:
+        """`settings` with brokers: status events and fitted envelopes also go to Kafka's
+        status and tables topics (the demo), besides driving this engine in-process."""
         from controller.loop import LoopConfig  # the controller loads only when this runs
 
         self.config = config or LoopConfig()
         self.tick_s = tick_s
         self.startup = startup
+        self.settings = settings
         self.loop: ClosedLoop | None = None
         self.status: StatusPublisher | None = None
         self._sink = MemorySink()
@@ -114,10 +119,17 @@ class TabletunePolicy(Policy):
             self._sink.forward = engine.recorder.sink
             engine.recorder.sink = self._sink
         self._recorder = engine.recorder
-        self.status = StatusPublisher(None, limits.engine_id, str(key), history=4096)
+        self.status = StatusPublisher(self.settings, limits.engine_id, str(key), history=4096)
         engine_limits = EngineLimits(key=key, startup_k_values=frozenset(range(limits.max_k + 1)),
                                      max_batch=limits.max_num_seqs)
-        self.loop = ClosedLoop(engine.switch, engine_limits, self.status, fit_table, self.config)
+        mirror = None
+        if self.settings is not None and self.settings.bootstrap_servers:
+            from controller.table_log import publish
+
+            settings = self.settings
+            mirror = lambda envelope: publish(settings, envelope)  # noqa: E731
+        self.loop = ClosedLoop(engine.switch, engine_limits, self.status, fit_table, self.config,
+                               mirror=mirror)
         self.loop.start(engine.clock_s)
         self._next_tick_s = engine.clock_s + self.tick_s
 

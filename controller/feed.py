@@ -15,6 +15,8 @@ import time
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.agent import TableAgent
+from controller.engine_watch import EngineWatch, TapSink
+from controller.exploration import ExplorationConfig, explorer_for
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.table_switch import TableSwitch
@@ -26,12 +28,19 @@ log = logging.getLogger(__name__)
 
 class TableFeed:
     def __init__(self, settings: Settings, switch: TableSwitch, limits: EngineLimits,
-                 status: StatusPublisher) -> None:
+                 status: StatusPublisher, *, explore_share: float = 0.02,
+                 tap: TapSink | None = None) -> None:
+        """`explore_share`: steps run at another K (0 disables); `tap`: the engine's
+        recorded steps, for the guardrail and drift detection (None disables both)."""
         self.settings = settings
         self.switch = switch
         self.limits = limits
         self.status = status
         self.agent = TableAgent(limits, settings.keyring(), status.emit)
+        self.exploration = ExplorationConfig(share=explore_share)
+        self.watch = None if tap is None else EngineWatch(self.agent, status, tap,
+                                                          limits.max_batch)
+        self._applied_version = switch.version
         self.key_bytes = str(limits.key).encode()
         self._stop = threading.Event()
         self._staged_version: int | None = None
@@ -77,6 +86,8 @@ class TableFeed:
                     for message in messages:
                         if message.key == self.key_bytes:
                             self._handle(message.value, message.offset)
+                if self.watch is not None:
+                    self.watch.check()  # may roll back: the agent's decision changes
                 self._sync()
         finally:
             consumer.close()
@@ -101,6 +112,11 @@ class TableFeed:
                 and not switch.pending:
             self.status.emit("applied", version=switch.version,
                              seconds_to_apply=round(time.monotonic() - self._staged_at, 4))
+            if self.watch is not None:
+                surface = desired.surface if desired is not None else None
+                self.watch.table_applied(switch.version, self._applied_version, surface,
+                                         at_s=time.time())
+            self._applied_version = switch.version
             self._staged_version = None
         if version == self._last_desired:
             return
@@ -108,8 +124,13 @@ class TableFeed:
         if version == switch.version and not switch.pending:
             return
         table = switch.startup_table if desired is None else desired.table
+        explorer = None
+        if desired is not None:
+            explorer = explorer_for(desired.exploration, table, max_batch=self.limits.max_batch,
+                                    k_values=self.limits.startup_k_values,
+                                    config=self.exploration)
         try:
-            switch.stage(table, version)
+            switch.stage(table, version, explorer=explorer)
         except TableError as exc:  # checked already; the switch has the final word
             self.status.emit("rejected", version=version, reason="invalid_table",
                              detail=str(exc))

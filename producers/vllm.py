@@ -65,17 +65,26 @@ class TableTuneHook:
             self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs)
         identity = engine_identity(config)
         settings = Settings.from_env()
-        if settings.bootstrap_servers and self._tt_switch is not None:
-            self._tt_feed = start_table_feed(settings, identity, self._tt_switch, max_num_seqs)
+        follow = bool(settings.bootstrap_servers) and self._tt_switch is not None
         sink_url = os.environ.get("TABLETUNE_SINK")
         if not sink_url and settings.bootstrap_servers:
             sink_url = "kafka://" + ",".join(settings.bootstrap_servers)
-        if not sink_url:
+        tap = None
+        if sink_url:
+            sink: Any = sink_from_url(sink_url, settings)
+            if follow:
+                from controller.engine_watch import TapSink
+                sink = tap = TapSink(sink)
+            self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
+        else:
             log.warning("TableTune attached without TABLETUNE_SINK or TABLETUNE_BOOTSTRAP: "
                         "no telemetry is recorded")
+        if follow:
+            assert self._tt_switch is not None
+            self._tt_feed = start_table_feed(settings, identity, self._tt_switch, max_num_seqs,
+                                             tap)
+        if self._tt_recorder is None:
             return
-        sink = sink_from_url(sink_url, settings)
-        self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
         from tabletune.metrics import engine_counters, serve_metrics
         serve_metrics("engine", lambda: engine_counters(self._tt_recorder, self._tt_switch,
                                                         self._tt_feed),
@@ -112,10 +121,11 @@ class TableTuneHook:
             staged = switch.apply_staged()
             if staged is not None:
                 # One attribute store; vLLM reads it once per step in schedule().
-                self.dynamic_sd_lookup = list(staged.lookup)
+                self.dynamic_sd_lookup = (list(staged.lookup) if staged.explorer is None
+                                          else ExploringLookup(staged.lookup, switch))
         output = super().schedule(*args, **kwargs)
         if self._tt_recorder is not None:
-            version, forced = (switch.version, switch.forced) if switch else (0, False)
+            version, forced = (switch.version, switch.step_forced) if switch else (0, False)
             self._tt_schedules.append((id(output), started, version, forced))
         return output
 
@@ -173,6 +183,22 @@ class TableTuneHook:
             super().shutdown()
 
 
+class ExploringLookup(list):  # type: ignore[type-arg]
+    """vLLM's dense lookup, answered by the switch so a bounded share of steps explores.
+
+    vLLM indexes `dynamic_sd_lookup[batch_size]` once per step; this list answers through
+    `TableSwitch.k_for_step`, which also sets `step_forced` for the step's telemetry."""
+
+    def __init__(self, lookup: Any, switch: TableSwitch) -> None:
+        super().__init__(lookup)
+        self._switch = switch
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int):
+            return self._switch.k_for_step(index)
+        return super().__getitem__(index)
+
+
 class TableTuneSyncScheduler(TableTuneHook, Scheduler):
     """The hook over vLLM's synchronous scheduler."""
 
@@ -191,7 +217,7 @@ class TableTuneScheduler:
 
 
 def start_table_feed(settings: Settings, identity: EngineIdentity, switch: TableSwitch,
-                     max_num_seqs: int) -> Any:
+                     max_num_seqs: int, tap: Any = None) -> Any:
     """Follow the tables topic for this engine's key (TABLETUNE_TABLE_KEY overrides)."""
     from controller.feed import TableFeed
     from controller.status import StatusPublisher
@@ -205,7 +231,8 @@ def start_table_feed(settings: Settings, identity: EngineIdentity, switch: Table
     status = StatusPublisher(settings, identity.engine_id, str(key))
     status.emit("started", version=switch.version,
                 startup_k_values=sorted(limits.startup_k_values))
-    return TableFeed(settings, switch, limits, status).start()
+    share = float(os.environ.get("TABLETUNE_EXPLORE_SHARE", "0.02"))
+    return TableFeed(settings, switch, limits, status, explore_share=share, tap=tap).start()
 
 
 def engine_identity(vllm_config: Any) -> EngineIdentity:

@@ -82,6 +82,7 @@ def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
         "TABLETUNE_BOOTSTRAP": f"127.0.0.1:{hook_broker.port}",
         "TABLETUNE_TABLE_KEY": TABLE_KEY,
         "TABLETUNE_VERIFY_KEYS": "k1:engine-secret",
+        "TABLETUNE_EXPLORE_SHARE": "0.2",  # high, so a short test sees exploration steps
     }
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -339,5 +340,12 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     new = [r for r in records if r["step_seq"] >= first_seq]
     table = DraftTable.from_vllm(good)
     assert new and all(r["table_version"] == 1 for r in new)
-    assert all(r["k_next"] == table.k_for(r["batch_size"]) for r in new)
-    assert {r["k_next"] for r in new} == {2, 4}  # 10 requests, then the tail below 5
+    chosen = [r for r in new if not r["forced"]]
+    explored = [r for r in new if r["forced"]]
+    assert all(r["k_next"] == table.k_for(r["batch_size"]) for r in chosen)
+    assert {r["k_next"] for r in chosen} == {2, 4}  # 10 requests, then the tail below 5
+    # Exploration (TABLETUNE_EXPLORE_SHARE=0.2): a bounded share of steps at another
+    # startup K, marked forced in telemetry.
+    assert explored and len(explored) <= 0.3 * len(new)
+    assert all(r["k_next"] != table.k_for(r["batch_size"]) for r in explored)
+    assert {r["k_next"] for r in explored} <= {1, 2, 4}

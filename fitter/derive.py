@@ -163,6 +163,11 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
         "acceptance_per_position": _round_list(acceptance.unconditional_),
         "conditional_acceptance": _round_list(acceptance.conditional_),
         "conditional_acceptance_trials": _round_list(acceptance.trials_),
+        "draft_share": _round(surface.draft_share),
+        "draft_share_stderr": _round(surface.draft_share_std),
+        "tokens_per_request": _round_list(surface.acceptance_length
+                                          if surface.tokens_per_request is None
+                                          else surface.tokens_per_request),
         "latency_observed_k": [int(k) for k in fit.latency.observed_k_],
         "latency_residual_scale": _round(fit.latency.residual_scale_),
     }

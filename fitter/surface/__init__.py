@@ -4,11 +4,13 @@ from fitter.surface.acceptance import AcceptanceModel
 from fitter.surface.fit import SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface, evaluate_surface
 from fitter.surface.latency import LATENCY_COLUMNS, StepLatencyModel, decode_matrix
+from fitter.surface.share import DraftShareModel
 from fitter.surface.validation import NotFittedError
 
 __all__ = [
     "LATENCY_COLUMNS",
     "AcceptanceModel",
+    "DraftShareModel",
     "GoodputSurface",
     "NotFittedError",
     "StepLatencyModel",

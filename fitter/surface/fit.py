@@ -21,9 +21,11 @@ from fitter.surface.goodput import (
     evaluate_surface,
 )
 from fitter.surface.latency import StepLatencyModel
+from fitter.surface.share import DraftShareModel
 from fitter.surface.telemetry import (
     acceptance_rows,
     context_by_batch,
+    draft_share_rows,
     latency_cells,
     recency_weights,
     to_frame,
@@ -53,6 +55,8 @@ class SurfaceFit:
     ts_max_ns: int
     half_life_s: float | None
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL
+    draft_share: DraftShareModel | None = None
+    """Share of decode requests that draft (n-gram: those with a match); None = all do."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -62,6 +66,7 @@ class SurfaceFit:
         return evaluate_surface(
             self.latency, self.acceptance, batch, k_values, self.context_tokens[batch - 1],
             latency_extrapolation_rel=self.latency_extrapolation_rel,
+            draft_share=self.draft_share,
         )
 
 
@@ -78,7 +83,8 @@ def fit_surface(
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     dedupe: bool = True,
 ) -> SurfaceFit:
-    """Fit latency on aggregated cells of all steps and acceptance on drafting steps.
+    """Fit latency on aggregated cells of all steps, acceptance and the share of requests
+    that draft on drafting steps.
 
     `records` is a table with the step-record columns (pyarrow or polars). The estimators
     passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
@@ -104,6 +110,10 @@ def fit_surface(
         acceptance.set_params(n_positions=max(max_k, 1))
     acceptance.fit(acceptance_rows(frame, weights, acceptance.n_positions))
 
+    share_X, share_weight = draft_share_rows(frame, weights)
+    draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
+                   if share_weight.size else None)
+
     context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
@@ -116,4 +126,5 @@ def fit_surface(
         ts_max_ns=int(ts.max()),
         half_life_s=half_life_s,
         latency_extrapolation_rel=latency_extrapolation_rel,
+        draft_share=draft_share,
     )

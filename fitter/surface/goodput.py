@@ -1,4 +1,8 @@
-"""Goodput surface G(B, K) = B * AL(K) / T(B, K) on a grid, with uncertainty per cell.
+"""Goodput surface G(B, K) = B * (1 + s (AL(K) - 1)) / T(B, K) on a grid, with uncertainty.
+
+AL(K) is the acceptance length of a drafting request and s the share of decode requests that
+draft (`fitter.surface.share`; 1 for EAGLE and draft models, where G = B * AL / T); T is
+evaluated at the drafts actually verified, s * r * K per request.
 
 Uncertainty is propagated analytically (delta method on log G): it is exact enough for a
 ranking question and costs one small matrix product per cell, where a bootstrap would refit
@@ -6,6 +10,7 @@ both models hundreds of times. Log space makes the two sources add: var(log G) =
 var(log AL) + var(log T). Cells at a K the latency data never showed get an extra
 extrapolation term that grows with the distance to the nearest observed K, because the
 latency model's coefficient covariance cannot know how wrong its *shape* might be there.
+The draft share's own uncertainty enters through both AL and T (`share_log_gradient`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from scipy.special import ndtr
 
 from fitter.surface.acceptance import AcceptanceModel
 from fitter.surface.latency import StepLatencyModel, decode_matrix, latency_design
+from fitter.surface.share import DraftShareModel
 from fitter.surface.validation import check_is_fitted
 
 DEFAULT_LATENCY_EXTRAPOLATION_REL = 0.02
@@ -44,8 +50,17 @@ class GoodputSurface:
     latency_extrapolation_var: NDArray[np.float64]
     """Extra variance of log T per cell that the data does not constrain (0 where observed)."""
     acceptance_log_gradient: NDArray[np.float64]
-    """d log AL(K) / d p_j, shape (K, n_positions)."""
+    """d log(tokens per request)(K) / d p_j, shape (K, n_positions) (= d log AL when s = 1)."""
     acceptance_var: NDArray[np.float64]
+    draft_share: float = 1.0
+    """Share of decode requests that draft (s); 1 when every request proposes K drafts."""
+    draft_share_std: float = 0.0
+    tokens_per_request: NDArray[np.float64] | None = None
+    """Expected tokens emitted per decode request per step at each K: 1 + s (AL(K) - 1).
+    None means `acceptance_length` (s = 1)."""
+    share_log_gradient: NDArray[np.float64] | None = None
+    """d log G / d s per cell, shape (B, K); None when s is known exactly."""
+    share_var: float = 0.0
 
     def log_ratio_vs(self, chosen_index: ArrayLike, margin: float = 0.0,
                      ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -66,6 +81,10 @@ class GoodputSurface:
         var += np.einsum("bkp,pq,bkq->bk", lat_diff, self.latency_covariance, lat_diff)
         var += self.latency_extrapolation_var
         var += self.latency_extrapolation_var[rows, chosen][:, None]
+        if self.share_log_gradient is not None and self.share_var > 0:
+            share_diff = (self.share_log_gradient
+                          - self.share_log_gradient[rows, chosen][:, None])
+            var += share_diff**2 * self.share_var
         is_chosen = np.arange(self.k_values.size)[None, :] == chosen[:, None]
         return mean, np.where(is_chosen, 0.0, np.sqrt(np.maximum(var, 0.0)))
 
@@ -107,13 +126,21 @@ def evaluate_surface(
     context_tokens: ArrayLike,
     *,
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
+    draft_share: DraftShareModel | None = None,
 ) -> GoodputSurface:
     """Goodput and its uncertainty for pure decode steps at each (B, K).
 
     `context_tokens` is KV tokens per request, a scalar or one value per batch size.
+    `draft_share` (fitted) says how many decode requests draft and how long their drafts
+    are; None: every request drafts K (EAGLE, draft models).
     """
     check_is_fitted(latency, "coef_")
     check_is_fitted(acceptance, "conditional_")
+    if draft_share is not None:
+        check_is_fitted(draft_share, "share_")
+    share = 1.0 if draft_share is None else float(draft_share.share_)
+    share_var = 0.0 if draft_share is None else float(draft_share.share_var_)
+    length_ratio = 1.0 if draft_share is None else float(draft_share.draft_length_ratio_)
     batch = np.asarray(batch_sizes, dtype=np.int64).reshape(-1)
     ks = np.asarray(k_values, dtype=np.int64).reshape(-1)
     if batch.size == 0 or ks.size == 0 or batch.min() < 1 or ks.min() < 0:
@@ -122,7 +149,7 @@ def evaluate_surface(
 
     grid_b, grid_k = np.meshgrid(batch, ks, indexing="ij")
     grid_ctx = np.broadcast_to(context[:, None], grid_b.shape)
-    X = decode_matrix(grid_b, grid_k, grid_ctx)
+    X = decode_matrix(grid_b, grid_k, grid_ctx, share * length_ratio)
     design = latency_design(X, latency.knots_)
     latency_s = (design @ latency.coef_).reshape(grid_b.shape)
     latency_s = np.maximum(latency_s, 1e-9)
@@ -135,10 +162,24 @@ def evaluate_surface(
     var_log_t = param_var_log_t + extra_var
 
     al = acceptance.predict(ks)
-    al_gradient = acceptance.gradient(ks) / al[:, None]
-    var_log_al = al_gradient**2 @ acceptance.conditional_var_
+    var_log_al = (acceptance.gradient(ks) / al[:, None]) ** 2 @ acceptance.conditional_var_
+    tokens = 1.0 + share * (al - 1.0)
+    tokens_gradient = share * acceptance.gradient(ks) / tokens[:, None]
+    var_log_tokens = tokens_gradient**2 @ acceptance.conditional_var_
 
-    goodput = grid_b * al[None, :] / latency_s
+    share_gradient = None
+    var_share = np.zeros(grid_b.shape)
+    if share_var > 0:
+        step = 1e-4 * share
+        shifted = decode_matrix(grid_b, grid_k, grid_ctx, (share + step) * length_ratio)
+        latency_shifted = np.maximum(
+            (latency_design(shifted, latency.knots_) @ latency.coef_).reshape(grid_b.shape),
+            1e-9)
+        dlog_t = (np.log(latency_shifted) - np.log(latency_s)) / step
+        share_gradient = ((al - 1.0) / tokens)[None, :] - dlog_t
+        var_share = share_gradient**2 * share_var
+
+    goodput = grid_b * tokens[None, :] / latency_s
     return GoodputSurface(
         batch_sizes=batch,
         k_values=ks,
@@ -148,10 +189,15 @@ def evaluate_surface(
         acceptance_length=al,
         acceptance_length_std=al * np.sqrt(var_log_al),
         goodput_tok_s=goodput,
-        goodput_std_tok_s=goodput * np.sqrt(var_log_t + var_log_al[None, :]),
+        goodput_std_tok_s=goodput * np.sqrt(var_log_t + var_log_tokens[None, :] + var_share),
         latency_log_gradient=log_gradient,
         latency_covariance=latency.coef_covariance_,
         latency_extrapolation_var=extra_var,
-        acceptance_log_gradient=al_gradient,
+        acceptance_log_gradient=tokens_gradient,
         acceptance_var=acceptance.conditional_var_,
+        draft_share=share,
+        draft_share_std=float(np.sqrt(share_var)),
+        tokens_per_request=tokens,
+        share_log_gradient=share_gradient,
+        share_var=share_var,
     )

@@ -7,9 +7,15 @@ knots in batched tokens represents all of these - flat, knee, slope, several slo
 non-decreasing by construction; it is not restricted to be linear (the twin's H100 model is
 linear, real hardware is not) nor convex. Attention adds time per KV token (and per KV token
 per extra query position), the drafter adds a fixed launch cost when it runs plus a cost per
-draft pass. Because batched tokens = decode_reqs * (K + 1) + prefill tokens is shared by all
-K, a K never seen in telemetry is predicted from the batched-token curve learned at other
-(B, K) cells - that is how the model extrapolates under censoring.
+draft pass. Because batched tokens = decode_reqs + draft tokens + prefill tokens is shared
+by all K, a K never seen in telemetry is predicted from the batched-token curve learned at
+other (B, K) cells - that is how the model extrapolates under censoring.
+
+Draft tokens are the ones actually verified (`num_draft_tokens`), not decode_reqs * K: an
+n-gram drafter proposes nothing for a request without a match, so at K = 7 a step may verify
+two drafts per request, not seven. A pure-decode step at a candidate K is predicted with the
+expected share of draft slots that get filled (`decode_matrix(..., draft_share=...)`, from
+`fitter.surface.share`); 1 for drafters that always propose K (EAGLE, draft models).
 """
 
 from __future__ import annotations
@@ -23,11 +29,16 @@ from fitter.surface.validation import check_is_fitted, check_matrix, check_param
 
 LATENCY_COLUMNS: tuple[str, ...] = (
     "num_decode_reqs", "k", "k_next", "num_prefill_tokens", "num_prefill_reqs", "kv_tokens",
+    "num_draft_tokens",
 )
-"""Columns of X, in order (all step-record fields; see `schemas.step_record`). `k` sizes the
-verify (drafts verified this step), `k_next` the drafter (drafts proposed for the next)."""
+"""Columns of X, in order (all step-record fields; see `schemas.step_record`). `k` is the
+longest draft verified this step, `num_draft_tokens` all drafts verified (they size the
+verify), `k_next` the drafter (drafts proposed for the next). X without the last column (the
+layout before it was added) is read as every decode request verifying `k` drafts."""
 
-_DECODE, _K, _K_NEXT, _PREFILL_TOKENS, _PREFILL_REQS, _KV = range(len(LATENCY_COLUMNS))
+_DECODE, _K, _K_NEXT, _PREFILL_TOKENS, _PREFILL_REQS, _KV, _DRAFT_TOKENS = range(
+    len(LATENCY_COLUMNS))
+LEGACY_N_COLUMNS = len(LATENCY_COLUMNS) - 1
 
 NON_HINGE_FEATURES: tuple[str, ...] = (
     "kv_tokens", "kv_tokens_x_k", "kv_tokens_if_drafting", "drafter_launch", "draft_passes",
@@ -39,20 +50,39 @@ intercept and the KV slope under another name."""
 UNIFORM_SD = 1.0 / np.sqrt(12.0)
 
 
+def latency_matrix(X: ArrayLike, *, name: str = "X") -> NDArray[np.float64]:
+    """X as a float matrix with all `LATENCY_COLUMNS`; the legacy layout without
+    `num_draft_tokens` gets decode_reqs * k there."""
+    array = np.asarray(X, dtype=np.float64)
+    if array.ndim == 2 and array.shape[1] == LEGACY_N_COLUMNS:
+        array = np.column_stack([array, array[:, _DECODE] * array[:, _K]])
+    return check_matrix(array, n_columns=len(LATENCY_COLUMNS), name=name)
+
+
 def batched_tokens(X: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Tokens the target verifies in a step: every decode request brings K drafts + 1."""
-    return X[:, _DECODE] * (X[:, _K] + 1.0) + X[:, _PREFILL_TOKENS]
+    """Tokens the target verifies in a step: one per decode request, its drafts, prefill."""
+    return X[:, _DECODE] + X[:, _DRAFT_TOKENS] + X[:, _PREFILL_TOKENS]
 
 
-def decode_matrix(batch_sizes: ArrayLike, k: ArrayLike, context_tokens: ArrayLike) -> NDArray[np.float64]:
-    """X rows for pure decode steps: B requests at K drafts, each with `context_tokens` of KV."""
-    b, kk, ctx = np.broadcast_arrays(
+def drafts_per_decode(X: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Verified drafts per decode request (query positions beyond the first); 0 without any."""
+    decode = X[:, _DECODE]
+    return np.divide(X[:, _DRAFT_TOKENS], decode, out=np.zeros(X.shape[0]), where=decode > 0)
+
+
+def decode_matrix(batch_sizes: ArrayLike, k: ArrayLike, context_tokens: ArrayLike,
+                  draft_share: ArrayLike = 1.0) -> NDArray[np.float64]:
+    """X rows for pure decode steps: B requests at draft length K, each with `context_tokens`
+    of KV, verifying `draft_share * K` drafts each on average (1: every request drafts K)."""
+    b, kk, ctx, share = np.broadcast_arrays(
         np.asarray(batch_sizes, dtype=np.float64),
         np.asarray(k, dtype=np.float64),
         np.asarray(context_tokens, dtype=np.float64),
+        np.asarray(draft_share, dtype=np.float64),
     )
     zeros = np.zeros(b.size)
-    return np.column_stack([b.ravel(), kk.ravel(), kk.ravel(), zeros, zeros, (b * ctx).ravel()])
+    return np.column_stack([b.ravel(), kk.ravel(), kk.ravel(), zeros, zeros, (b * ctx).ravel(),
+                            (b * kk * share).ravel()])
 
 
 def place_knots(tokens: NDArray[np.float64], n_knots: int) -> NDArray[np.float64]:
@@ -84,14 +114,14 @@ def hinge_features(tokens: NDArray[np.float64], knots: NDArray[np.float64]) -> N
 
 def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[np.float64]:
     """Design matrix: intercept, hinges in batched tokens, then `NON_HINGE_FEATURES`."""
-    decode, k, k_next = X[:, _DECODE], X[:, _K], X[:, _K_NEXT]
+    decode, k_next = X[:, _DECODE], X[:, _K_NEXT]
     drafting = drafter_runs(X).astype(np.float64)
     kv = X[:, _KV]
     return np.column_stack([
         np.ones(X.shape[0]),
         hinge_features(batched_tokens(X), knots),
         kv,
-        kv * k,
+        kv * drafts_per_decode(X),
         kv * drafting,
         drafting,
         k_next,
@@ -144,7 +174,8 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         check_param("smoothness", self.smoothness, low=0.0)
         check_param("huber_k", self.huber_k, low=0.0, inclusive_low=False)
         check_param("max_iter", self.max_iter, low=1)
-        matrix = check_matrix(X, n_columns=len(LATENCY_COLUMNS))
+        n_columns = np.shape(X)[1] if np.ndim(X) == 2 else len(LATENCY_COLUMNS)
+        matrix = latency_matrix(X)
         if (matrix < 0).any():
             raise ValueError("X must be non-negative (counts and token totals)")
         target = check_vector(y, matrix.shape[0], name="y", positive=True)
@@ -177,20 +208,20 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         self.drafter_off_observed_ = drafter_off_seen
         self.drafter_on_observed_ = drafter_on_seen
         self.max_batched_tokens_ = float(tokens.max())
-        self.n_features_in_ = len(LATENCY_COLUMNS)
+        self.n_features_in_ = int(n_columns)
         return self
 
     def predict(self, X: ArrayLike) -> NDArray[np.float64]:
         """Expected step latency in seconds."""
         check_is_fitted(self, "coef_")
-        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        matrix = latency_matrix(X)
         return latency_design(matrix, self.knots_) @ self.coef_
 
     def predict_std(self, X: ArrayLike) -> NDArray[np.float64]:
         """Standard error (s) of the expected latency: coefficient uncertainty plus what the
         data could not identify (`unidentified_std`)."""
         check_is_fitted(self, "coef_")
-        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        matrix = latency_matrix(X)
         design = latency_design(matrix, self.knots_)
         variance = np.einsum("ij,jk,ik->i", design, self.coef_covariance_, design)
         return np.sqrt(np.maximum(variance, 0.0) + self.unidentified_std(matrix) ** 2)
@@ -207,7 +238,7 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         deviation, which the exploration plan turns into "try it".
         """
         check_is_fitted(self, "coef_")
-        matrix = check_matrix(X, n_columns=self.n_features_in_)
+        matrix = latency_matrix(X)
         unknown = np.zeros(matrix.shape[0], dtype=bool)
         if not self.drafter_off_observed_:
             unknown |= ~drafter_runs(matrix)

@@ -94,6 +94,7 @@ def make_step_records(
     engine_prefix: str = "engine",
     forced: bool = False,
     start_ns: int = 1_700_000_000_000_000_000,
+    draft_share: float = 1.0,
 ) -> pa.Table:
     """`n_steps` step records; K is uniform over `k_values` or, if given, `k_table[batch]`.
 
@@ -102,6 +103,9 @@ def make_step_records(
     multiplicative Gaussian, and `outlier_fraction` of steps are 1.5-4x slower (preemptions,
     GC). After `drift_at` (a fraction of the steps) acceptance follows `conditional_after`.
     `forced` marks every step as an exploration step (K not the table's choice).
+    `draft_share` < 1 is an n-gram-like drafter: each decode request drafts K tokens with that
+    probability and proposes nothing otherwise (`conditional` is then acceptance among
+    drafting requests); a step where nobody drafted verifies nothing (k = 0, k_next = K).
     """
     rng = np.random.default_rng(seed)
     batch = np.floor(np.exp(rng.uniform(0.0, np.log(max_batch + 1.0), n_steps))).astype(np.int64)
@@ -115,14 +119,20 @@ def make_step_records(
     decode = batch - prefill_reqs
     ctx = context_tokens * rng.lognormal(0.0, 0.25, n_steps)
     kv = np.round(decode * ctx + prefill_tokens).astype(np.int64)
-    batched = decode * (k + 1) + prefill_tokens
+    k_next = k
+    if draft_share < 1.0:  # extra draws only here: draft_share = 1 keeps every stream as before
+        drafts = np.where(k > 0, rng.binomial(decode, draft_share), 0)
+        k = np.where(drafts > 0, k, 0)
+    else:
+        drafts = np.where(k > 0, decode, 0)
+    batched = decode + drafts * k + prefill_tokens
 
-    latency = cost.step_latency_s(batched, kv, k) * (1.0 + noise_rel * rng.standard_normal(n_steps))
+    latency = (cost.step_latency_s(batched, kv, k_next)
+               * (1.0 + noise_rel * rng.standard_normal(n_steps)))
     outlier = rng.random(n_steps) < outlier_fraction
     latency[outlier] *= rng.uniform(1.5, 4.0, outlier.sum())
     latency = np.maximum(latency, 1e-5)
 
-    drafts = np.where(k > 0, decode, 0)
     accepted = _accepted_counts(rng, drafts, k, conditional, conditional_after, drift_at)
     lengths = np.where(drafts > 0, k, 0)
     in_list = np.arange(accepted.shape[1])[None, :] < lengths[:, None]
@@ -145,7 +155,7 @@ def make_step_records(
         "num_prefill_reqs": prefill_reqs.astype(np.int32),
         "num_prefill_tokens": prefill_tokens.astype(np.int32),
         "k": k.astype(np.int16),
-        "k_next": k.astype(np.int16),
+        "k_next": k_next.astype(np.int16),
         "table_version": np.zeros(n_steps, np.int64),
         "num_drafts": drafts.astype(np.int32),
         "num_draft_tokens": (drafts * k).astype(np.int32),

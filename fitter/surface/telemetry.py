@@ -4,8 +4,8 @@ Aggregation is what makes a million steps fit in a second: latency is regressed 
 median of each (decode requests, K, prefill bucket, KV bucket, age bucket) cell and
 acceptance on per-K sums, both computed with vectorised polars/numpy. Which steps feed which
 model: latency takes every step (prefill tokens are part of batched tokens, prefill requests a
-feature of their own); acceptance takes the steps that verified drafts (`accepted_per_pos` is
-only non-empty there), so prefill-only rows never dilute it.
+feature of their own); acceptance and the draft share take the steps that verified drafts
+(`accepted_per_pos` is only non-empty there), so prefill-only rows never dilute them.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fitter.surface.latency import LATENCY_COLUMNS
 
 NEEDED_COLUMNS: tuple[str, ...] = (
     "engine_id", "step_seq", "ts_ns", "batch_size", "num_decode_reqs", "num_prefill_reqs",
-    "num_prefill_tokens", "k", "k_next", "num_drafts", "accepted_per_pos", "kv_tokens",
-    "step_latency_s",
+    "num_prefill_tokens", "k", "k_next", "num_drafts", "num_draft_tokens", "accepted_per_pos",
+    "kv_tokens", "step_latency_s",
 )
 
 KV_BUCKETS_PER_OCTAVE = 2
@@ -36,15 +36,22 @@ MAX_AGE_BUCKET = 4
 def to_frame(records: Any, *, dedupe: bool = True) -> pl.DataFrame:
     """The columns the fitter reads, as polars; duplicates on (engine_id, step_seq) dropped.
 
-    Accepts a pyarrow Table, a polars DataFrame, or anything `pl.DataFrame` takes.
+    Accepts a pyarrow Table, a polars DataFrame, or anything `pl.DataFrame` takes. Without a
+    `num_draft_tokens` column every drafting request counts as verifying `k` drafts.
     """
     if isinstance(records, pa.Table):
-        frame = pl.from_arrow(records.select(list(NEEDED_COLUMNS)))
+        frame = pl.from_arrow(records.select([c for c in NEEDED_COLUMNS
+                                              if c in records.column_names]))
     elif isinstance(records, pl.DataFrame):
-        frame = records.select(NEEDED_COLUMNS)
+        frame = records
     else:
-        frame = pl.DataFrame(records).select(NEEDED_COLUMNS)
+        frame = pl.DataFrame(records)
     assert isinstance(frame, pl.DataFrame)  # from_arrow of a Table is a frame
+    if "num_draft_tokens" not in frame.columns:
+        frame = frame.with_columns(
+            (pl.col("num_drafts").cast(pl.Int64) * pl.col("k").cast(pl.Int64))
+            .alias("num_draft_tokens"))
+    frame = frame.select(NEEDED_COLUMNS)
     if frame.height == 0:
         raise ValueError("no telemetry records to fit")
     if dedupe:
@@ -91,6 +98,7 @@ def latency_cells(frame: pl.DataFrame, weights: NDArray[np.float64],
         .agg(
             pl.col("num_prefill_tokens").cast(pl.Float64).mean().alias("prefill_mean"),
             pl.col("kv_tokens").cast(pl.Float64).mean().alias("kv_mean"),
+            pl.col("num_draft_tokens").cast(pl.Float64).mean().alias("draft_tokens_mean"),
             pl.col("step_latency_s").median().alias("latency"),
             pl.col("_w").sum().alias("weight"),
         )
@@ -103,6 +111,7 @@ def latency_cells(frame: pl.DataFrame, weights: NDArray[np.float64],
         cells["prefill_mean"].to_numpy(),
         cells["num_prefill_reqs"].to_numpy().astype(np.float64),
         cells["kv_mean"].to_numpy(),
+        cells["draft_tokens_mean"].to_numpy(),
     ])
     assert X.shape[1] == len(LATENCY_COLUMNS)
     return X, cells["latency"].to_numpy(), cells["weight"].to_numpy()
@@ -139,6 +148,30 @@ def acceptance_rows(frame: pl.DataFrame, weights: NDArray[np.float64],
     censored = np.arange(width)[None, :] > np.arange(1, n_positions + 1)[:, None]
     X[censored] = np.nan
     return X
+
+
+def draft_share_rows(frame: pl.DataFrame, weights: NDArray[np.float64],
+                     ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Draft-share X (see `fitter.surface.share`) and its weights: one row per number of
+    decode requests, weighted means over the steps that verified drafts."""
+    decode = frame["num_decode_reqs"].to_numpy().astype(np.int64)
+    drafts = frame["num_drafts"].to_numpy().astype(np.float64)
+    usable = (drafts > 0) & (decode > 0) & (frame["k"].to_numpy() > 0) & (weights > 0)
+    if not usable.any():
+        return np.zeros((0, 4)), np.zeros(0)
+    d = decode[usable]
+    w = weights[usable]
+    size = int(d.max()) + 1
+    total = np.bincount(d, weights=w, minlength=size)
+    present = np.flatnonzero(total > 0)
+    columns = [
+        drafts[usable],
+        frame["num_draft_tokens"].to_numpy()[usable].astype(np.float64),
+        drafts[usable] * frame["k"].to_numpy()[usable].astype(np.float64),
+    ]
+    means = [np.bincount(d, weights=w * c, minlength=size)[present] / total[present]
+             for c in columns]
+    return np.column_stack([present.astype(np.float64), *means]), total[present]
 
 
 CONTEXT_PRIOR_STEPS = 50.0

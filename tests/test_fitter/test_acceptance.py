@@ -1,11 +1,13 @@
-"""AcceptanceModel: censoring, recency weighting, uncertainty, estimator contract."""
+"""AcceptanceModel and DraftShareModel: censoring, recency weighting, uncertainty, contract."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from sklearn.base import clone
 
 from fitter.surface.acceptance import AcceptanceModel
+from fitter.surface.share import DraftShareModel, share_rows
 from fitter.surface.synthetic import (
     GSM8K_NGRAM_CONDITIONAL,
     SHAREGPT_EAGLE_CONDITIONAL,
@@ -115,3 +117,44 @@ def test_bad_data_raises() -> None:
         AcceptanceModel().fit(holes)
     with pytest.raises(ValueError, match="non-negative"):
         AcceptanceModel().fit(np.array([[10.0, -1.0]]))
+
+
+def _binomial_share_rows(share: float, n_steps: int, max_decode: int, seed: int):
+    rng = np.random.default_rng(seed)
+    decode = rng.integers(1, max_decode + 1, n_steps).astype(float)
+    drafts = rng.binomial(decode.astype(int), share).astype(float)
+    k = np.where(drafts > 0, 4.0, 0.0)  # a step where nobody drafted verifies nothing
+    return share_rows(decode, drafts, drafts * k, k)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.3, 0.9])
+def test_draft_share_corrects_for_steps_where_nobody_drafted(share: float) -> None:
+    """Small batches: steps with no drafter are invisible (k = 0), so the drafters per request
+    in the visible steps overstate the share; the zero-truncated likelihood does not."""
+    X = _binomial_share_rows(share, 40_000, max_decode=4, seed=1)
+    visible = X[:, 1] > 0
+    naive = X[visible, 1].sum() / X[visible, 0].sum()
+    model = DraftShareModel().fit(X)
+    assert abs(model.share_ - share) < 4 * np.sqrt(model.share_var_) + 1e-3
+    assert naive - share > 10 * np.sqrt(model.share_var_)  # the correction matters here
+    assert model.draft_length_ratio_ == 1.0
+    np.testing.assert_allclose(model.predict([0, 2, 7]), model.share_ * np.array([0, 2, 7]))
+
+
+def test_draft_share_is_exactly_one_when_every_request_drafts() -> None:
+    X = _binomial_share_rows(1.0, 2_000, max_decode=64, seed=2)
+    model = DraftShareModel().fit(X, sample_weight=np.full(X.shape[0], 0.5))
+    assert model.share_ == 1.0 and model.share_var_ == 0.0
+    assert not hasattr(clone(model), "share_")
+
+
+def test_draft_share_sees_short_drafts_and_rejects_bad_counts() -> None:
+    decode = np.full(100, 8.0)
+    drafts = np.full(100, 4.0)
+    model = DraftShareModel().fit(share_rows(decode, drafts, drafts * 3.0, np.full(100, 6.0)))
+    assert model.draft_length_ratio_ == pytest.approx(0.5)
+    assert model.slot_share_ == pytest.approx(model.share_ * 0.5)
+    with pytest.raises(ValueError, match="exceeds"):
+        DraftShareModel().fit(share_rows(decode, decode + 1, decode, decode))
+    with pytest.raises(NotFittedError):
+        DraftShareModel().predict([1])

@@ -7,10 +7,12 @@ import pyarrow as pa
 import pytest
 
 from fitter.derive import candidate_k_values, choose_k, derive_envelope, fit_table
-from fitter.surface.fit import SurfaceFit
+from fitter.surface.fit import SurfaceFit, fit_surface
 from fitter.surface.synthetic import (
     H100_EAGLE,
     SHAREGPT_EAGLE_CONDITIONAL,
+    CostModel,
+    make_step_records,
     true_acceptance_length,
 )
 from schemas.envelope import TableEnvelope, TableKey
@@ -160,3 +162,47 @@ def test_package_exports_resolve_lazily() -> None:
     assert "fit_table" in dir(fitter)
     with pytest.raises(AttributeError, match="no attribute"):
         _ = fitter.not_a_thing
+
+
+NGRAM_SHARE = 0.3
+NGRAM_DRAFTING_CONDITIONAL = (0.5, 0.8, 0.85, 0.88, 0.9, 0.9, 0.9)
+"""Acceptance among the requests that drafted (n-gram: those that found a match)."""
+
+
+@pytest.fixture(scope="module")
+def partial_draft_records() -> pa.Table:
+    """n-gram-like telemetry: only 30% of decode requests draft in a step, every K explored."""
+    return make_step_records(40_000, seed=21, cost=CostModel(drafter="ngram"),
+                             conditional=NGRAM_DRAFTING_CONDITIONAL, draft_share=NGRAM_SHARE,
+                             max_batch=MAX_BATCH)
+
+
+def _true_partial_goodput(batch: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """B (1 + s (AL(K) - 1)) / T(B, K) with the verify sized by the drafts actually made."""
+    tokens = 1.0 + NGRAM_SHARE * (true_acceptance_length(NGRAM_DRAFTING_CONDITIONAL, k) - 1.0)
+    context = 512.0 * np.exp(0.25**2 / 2)
+    latency = CostModel(drafter="ngram").step_latency_s(batch * (1.0 + NGRAM_SHARE * k),
+                                                        batch * context, k)
+    return batch * tokens / latency
+
+
+def test_partial_drafting_does_not_inflate_k(partial_draft_records: pa.Table) -> None:
+    """Requests without a draft must not count as verifying (or accepting) K drafts: that
+    would make a large K look cheap and rewarding, and the table would keep K high at high B."""
+    fit = fit_surface(partial_draft_records, max_k=MAX_K, max_batch=MAX_BATCH,
+                      half_life_s=None)
+    assert fit.draft_share is not None
+    assert abs(fit.draft_share.share_ - NGRAM_SHARE) < 0.01
+    envelope = derive_envelope(fit, key=KEY, version=1, max_k=MAX_K, max_batch=MAX_BATCH,
+                               startup_k_values=range(MAX_K + 1))
+    batch = np.arange(1, MAX_BATCH + 1)
+    ks = np.arange(MAX_K + 1)
+    truth = _true_partial_goodput(batch[:, None], ks[None, :])
+    best = truth.argmax(axis=1)
+    assert best[-1] < MAX_K  # the case discriminates: at B=256 the largest K loses
+    chosen = np.array(envelope.table.to_dense(MAX_BATCH)[1:])
+    for b in (64, 128, 192, 256):
+        assert chosen[b - 1] <= best[b - 1] + 1, (b, envelope.table.to_vllm())
+    regret = 1.0 - truth[np.arange(MAX_BATCH), chosen] / truth.max(axis=1)
+    assert regret.max() < 0.02, envelope.table.to_vllm()
+    assert envelope.surface["draft_share"] == pytest.approx(NGRAM_SHARE, abs=0.01)

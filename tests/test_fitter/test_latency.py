@@ -161,3 +161,31 @@ def test_bad_data_raises(linear_cells) -> None:
         StepLatencyModel().fit(X, -y, w)
     with pytest.raises(ValueError, match="shape"):
         StepLatencyModel().fit(X[:, :3], y, w)
+
+
+def test_latency_follows_the_drafts_actually_verified() -> None:
+    """30% of requests draft (n-gram): the verify is sized by num_draft_tokens, so latency at
+    a candidate K is right with the draft share and would be overstated without it."""
+    cost = CostModel(drafter="ngram")
+    share = 0.3
+    records = make_step_records(20_000, seed=4, cost=cost, k_values=TRAIN_K, draft_share=share)
+    frame = to_frame(records)
+    X, y, w = latency_cells(frame, np.ones(frame.height), None)
+    model = StepLatencyModel().fit(X, y, w / (w + 10.0))
+    batch = np.arange(1, 257)
+    for k in HELD_OUT_K:
+        truth = cost.step_latency_s(batch * (1.0 + share * k), batch * 512.0, k)
+        predicted = model.predict(decode_matrix(batch, k, 512.0, draft_share=share))
+        assert mean_abs_pct_error(predicted, truth) <= 3.0
+        assert (model.predict(decode_matrix(batch, k, 512.0))[128:] > 1.1 * truth[128:]).all()
+
+
+def test_legacy_layout_without_draft_tokens(linear_cells) -> None:
+    """X in the six-column layout (no num_draft_tokens) reads as decode_reqs * k drafts."""
+    X, y, w = linear_cells
+    full = StepLatencyModel().fit(X, y, w)
+    legacy = StepLatencyModel().fit(X[:, :-1], y, w)
+    assert legacy.n_features_in_ == len(LATENCY_COLUMNS) - 1
+    grid = decode_matrix(np.arange(1, 257), 3, 512.0)
+    np.testing.assert_allclose(legacy.predict(grid[:, :-1]), full.predict(grid), rtol=1e-9)
+    np.testing.assert_allclose(legacy.predict(grid), full.predict(grid), rtol=1e-9)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pytest
 
 from fitter.surface.latency import LATENCY_COLUMNS
+from fitter.surface.share import DraftShareModel, share_rows
 from fitter.surface.synthetic import make_step_records
 from fitter.surface.telemetry import (
     acceptance_rows,
     context_by_batch,
+    draft_share_rows,
     latency_cells,
     recency_weights,
     to_frame,
@@ -70,3 +73,17 @@ def test_context_by_batch_tracks_the_data() -> None:
     context = context_by_batch(frame, np.ones(frame.height), np.arange(1, 129))
     assert context.shape == (128,)
     np.testing.assert_allclose(context, 1500.0 * np.exp(0.25**2 / 2), rtol=0.1)
+
+
+def test_draft_share_rows_aggregate_like_per_step_rows() -> None:
+    records = make_step_records(3_000, seed=9, max_batch=32, draft_share=0.4)
+    frame = to_frame(records)
+    weights = np.random.default_rng(2).random(frame.height)
+    X, w = draft_share_rows(frame, weights)
+    assert np.isclose(w.sum(), weights[frame["k"].to_numpy() > 0].sum())
+    per_step = share_rows(*(frame[c].to_numpy().astype(float) for c in
+                            ("num_decode_reqs", "num_drafts", "num_draft_tokens", "k")))
+    a = DraftShareModel().fit(X, sample_weight=w)
+    b = DraftShareModel().fit(per_step, sample_weight=weights)
+    assert a.share_ == pytest.approx(b.share_, rel=1e-6) and abs(a.share_ - 0.4) < 0.03
+    assert a.draft_length_ratio_ == pytest.approx(1.0)

@@ -53,7 +53,7 @@ class SuiteSpec:
     """Open-loop loads as offered output tokens/s; rate = this / the trace's mean output
     length, so one label means a comparable load on every trace. Empty: no open-loop grids."""
     warmup_s: float = 60.0
-    measure_s: float = 240.0
+    measure_s: float = 180.0
     policies: tuple[str, ...] = ADAPTIVE
     """Policies besides fixed K 0..max_k (always run: they define the oracle)."""
     drift: tuple[str, ...] = ("chat-code-chat-ngram", "eagle-concurrency-jump",
@@ -70,7 +70,7 @@ class SuiteSpec:
 
 QUICK = SuiteSpec(name="quick", traces=("sharegpt",), concurrencies=(1, 8, 64, 256),
                   rates_tok_s=(2000.0, 6000.0), warmup_s=45.0, measure_s=60.0)
-FULL = SuiteSpec(name="full")
+FULL = SuiteSpec(name="full", warmup_s=60.0, measure_s=180.0)
 SUITES = {"quick": QUICK, "full": FULL}
 
 

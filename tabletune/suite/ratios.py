@@ -82,9 +82,18 @@ def window_rate(timeline: Sequence[Sequence[float]], start_s: float, end_s: floa
     return statistics.fmean(points) if points else None
 
 
-def recovery(tabletune: float | None, stale: float | None, best: float | None) -> float | None:
-    """Share of the stale table's loss that TableTune won back; None when nothing was lost."""
-    if tabletune is None or stale is None or best is None or best <= stale:
+MIN_STALE_LOSS = 0.01
+"""Recovery is only defined when the stale table lost at least this share of the best fixed
+K's rate: below it the denominator is noise and the quotient meaningless."""
+
+
+def recovery(tabletune: float | None, stale: float | None, best: float | None, *,
+             min_loss: float = MIN_STALE_LOSS) -> float | None:
+    """Share of the stale table's loss that TableTune won back; None when it lost too little
+    (less than `min_loss` of `best`) to measure a recovery against."""
+    if tabletune is None or stale is None or best is None or best <= 0:
+        return None
+    if (best - stale) / best < min_loss or best <= stale:
         return None
     return (tabletune - stale) / (best - stale)
 

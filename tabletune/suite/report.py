@@ -7,6 +7,7 @@ from typing import Any
 
 from tabletune.suite.grid import ADAPTIVE, BASELINES
 from tabletune.suite.machine import describe
+from tabletune.suite.ratios import MIN_STALE_LOSS
 
 DASH = "—"
 
@@ -124,7 +125,8 @@ def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:
              "Stale: the table `fitter.profile` made on the phase before the drift "
              f"({spec['profile_budget_s']:g} engine s), held fixed (`table:FILE`). "
              "Recovery = (tabletune − stale) / (best fixed K − stale); "
-             f"{DASH} where the stale table lost nothing. Columns after recovery: ratio to "
+             f"{DASH} where the stale table lost under {100 * MIN_STALE_LOSS:g}% (nothing to "
+             "recover). Columns after recovery: ratio to "
              "the new phase's best fixed K.", ""]
     rows = []
     for name, scenario in results["drift"].items():
@@ -139,7 +141,7 @@ def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:
                 name, row["name"], f"{row['window_s'][0]:g}–{row['window_s'][1]:g}",
                 f"`{stale.get('table', stale.get('error', DASH))}`",
                 f"{_k(row['best_fixed'])} {_num(row['best_fixed_tok_s'], 0)}",
-                DASH if loss is None else f"{100 * loss:.1f}%",
+                DASH if loss is None else f"{100 * loss:+.1f}%",
                 _num(row["tabletune_vs_best_fixed"]), _num(row["recovery"], 2),
                 *(_num(ratios.get(p)) for p in others)])
     lines += _table(["scenario", "new phase", "window s", "stale table",

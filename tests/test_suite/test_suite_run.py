@@ -1,0 +1,100 @@
+"""A tiny suite end to end through `tabletune bench`: results.json, markdown, BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tabletune.cli import main
+from tabletune.suite import grid
+from tabletune.suite.collect import RESULT_KEYS
+from tabletune.suite.markers import BEGIN, END
+
+DRIFT = """
+seed = 5
+[engine]
+max_num_seqs = 64
+max_num_batched_tokens = 4096
+max_k = 3
+[drafter]
+method = "eagle"
+[[phases]]
+name = "c2"
+duration_s = 20
+concurrency = 2
+acceptance = [0.69, 0.66, 0.69]
+[[phases]]
+name = "c48"
+duration_s = 30
+concurrency = 48
+acceptance = [0.69, 0.66, 0.69]
+"""
+HOOK = {"benchmark": "hook_overhead", "command": "python -m bench.hook_overhead",
+        "machine": {"cores": 2, "cpu": "Test CPU", "python": "3.11.7", "date": "2026-01-02"},
+        "results": [{"batch_size": 64, "engine_thread_us_median": 8.2}]}
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    drift = tmp_path / "tiny-drift.toml"
+    drift.write_text(DRIFT)
+    spec = grid.SuiteSpec(
+        name="tiny", traces=("sharegpt",), methods=("eagle",), concurrencies=(2, 32),
+        rates_tok_s=(3000.0,), warmup_s=8.0, measure_s=12.0,
+        policies=("vllm-doc", "tabletune"), drift=(str(drift),), settle_s=10.0,
+        profile_budget_s=8.0, max_k=3, data_dir=tmp_path / "no-traces")
+    monkeypatch.setitem(grid.SUITES, "tiny", spec)
+    return spec
+
+
+def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "hook_overhead.json").write_text(json.dumps(HOOK))
+    benchmarks = tmp_path / "BENCHMARKS.md"
+    benchmarks.write_text("# Benchmarks\n\nhand-written\n")
+    assert main(["bench", "--suite", "tiny", "--out", str(out), "--processes", "1",
+                 "--markdown", str(benchmarks)]) == 0
+    assert json.loads(capsys.readouterr().out)["results"] == str(out / "results.json")
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == set(RESULT_KEYS)
+    assert results["suite"] == "tiny" and results["traces_found"] == {"sharegpt": False}
+    assert results["command"] == f"tabletune bench --suite tiny --out {out}"
+    assert {"cores", "cpu", "date"} <= set(results["machine"])
+    assert set(results["grids"]) == {"sharegpt-eagle/closed", "sharegpt-eagle/open"}
+    closed = results["grids"]["sharegpt-eagle/closed"]
+    assert closed["arrival"] == "closed" and closed["score"] == "output_tok_s"
+    assert [load["label"] for load in closed["loads"]] == ["c=2", "c=32"]
+    policies = {"fixed:0", "fixed:1", "fixed:2", "fixed:3", "vllm-doc", "tabletune"}
+    for load in closed["loads"]:
+        assert set(load["runs"]) == policies
+        assert all(load["scores"][f"fixed:{k}"] > 0 for k in range(4))
+    ratios = closed["ratios"]
+    assert ratios["best_single_fixed"] in {f"fixed:{k}" for k in range(4)}
+    doc = ratios["policies"]["vllm-doc"]["vs_oracle"]
+    assert 0 < doc["worst"] <= doc["mean"] <= 1.0 + 1e-9
+    assert set(ratios["policies"]["vllm-doc"]["vs"]) == set()  # only baseline: itself
+    assert ratios["policies"]["tabletune"]["vs"].keys() == {"vllm-doc"}
+
+    [row] = results["drift"]["tiny-drift"]["phases"]
+    assert row["name"] == "c48" and row["window_s"] == [30.0, 50.0]
+    assert {"recovery", "stale_loss", "best_fixed", "tabletune_vs_best_fixed"} <= set(row)
+    assert row["stale"]["profiled_phase"] == "c2" and row["stale"]["table"][0][0] == 1
+    assert (out / "tables" / "tiny-drift-before-1" / "table.json").is_file()
+    for error in results["errors"]:  # a failing policy is recorded, not raised
+        assert error["error"]
+
+    standalone = results["standalone"]
+    assert standalone["hook_overhead"]["status"] == "ok"
+    assert "B=64: 8.2 µs" in standalone["hook_overhead"]["value"]
+    assert standalone["ingest_throughput"]["status"] == "not run"
+
+    section = (out / "results.md").read_text()
+    assert "| grid | loads | best single fixed K | vllm-doc | tabletune |" in section
+    assert "| sharegpt-eagle/closed | c=2 … c=32 (2) |" in section
+    assert "### Drift: stale-loss recovery" in section and "Test CPU" in section
+    text = benchmarks.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written\n\n" + BEGIN)
+    assert text.endswith(END + "\n") and section.strip() in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,15 @@ def run_fit(args: argparse.Namespace) -> int:
             current_file=Path(args.current) if args.current else None,
             publish=args.publish, settings=settings)
         if args.watch:
-            watch(job, period_s=args.period,
-                  on_outcome=lambda o: print(json.dumps(o.to_dict()), flush=True))
+            metrics = FitterMetrics()
+            from tabletune.metrics import serve_metrics
+            serve_metrics("fitter", metrics.values, {"key": args.key or "auto"})
+
+            def on_outcome(outcome: Any) -> None:
+                metrics.observe(outcome)
+                print(json.dumps(outcome.to_dict()), flush=True)
+
+            watch(job, period_s=args.period, on_outcome=on_outcome)
             return 0
         outcome = refit_once(job, stale=args.stale)
     except (RefitError, FileNotFoundError, ValueError) as exc:
@@ -140,3 +148,31 @@ def run_fit(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps(outcome.to_dict()))
     return 0
+
+
+class FitterMetrics:
+    """What a watching fitter exposes (TABLETUNE_METRICS_PORT): fits, their duration,
+    records used, publications and the newest published version."""
+
+    def __init__(self) -> None:
+        self.fits = 0
+        self.published = 0
+        self.records = 0
+        self.last_fit_s = 0.0
+        self.published_version = 0
+        self._last = time.monotonic()
+
+    def observe(self, outcome: Any) -> None:
+        now = time.monotonic()
+        self.fits += 1
+        self.last_fit_s = now - self._last
+        self._last = now
+        self.records = outcome.records
+        if outcome.offset is not None:
+            self.published += 1
+            self.published_version = outcome.decision.envelope.version
+
+    def values(self) -> dict[str, float]:
+        return {"fits_total": self.fits, "published_total": self.published,
+                "fit_records": self.records, "seconds_between_fits": self.last_fit_s,
+                "published_version": self.published_version}

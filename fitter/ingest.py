@@ -68,6 +68,8 @@ class IngestCounters:
     windows: int = 0
     dlq: int = 0
     skipped_duplicates: int = 0
+    lag_records: int = 0
+    """Messages behind the partitions' high watermarks at the last check (consumer lag)."""
     dlq_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -94,6 +96,7 @@ class Ingestor:
         self._consumer: KafkaConsumer | None = None
         self._dlq: KafkaProducer | None = None
         self._stop = False
+        self._lag_checked = 0.0
         config.out_dir.mkdir(parents=True, exist_ok=True)
         self._remove_temp_files()
         self._coverage = covered_offsets(config.out_dir, self.topic)
@@ -117,6 +120,8 @@ class Ingestor:
                 for tp, messages in batches.items():
                     for message in messages:
                         self._accept(tp.partition, message)
+                if time.monotonic() - self._lag_checked >= 5.0:
+                    self._update_lag(consumer)
                 idle_for = time.monotonic() - last_message
                 self._close_windows(force=bool(idle_for > 1.0 and self._windows))
                 until_idle = self.config.until_idle_s
@@ -128,6 +133,16 @@ class Ingestor:
             if self._dlq is not None:
                 self._dlq.close(timeout=5)
         return self.counters
+
+    def _update_lag(self, consumer: KafkaConsumer) -> None:
+        """High watermark (known after a fetch) minus position, over assigned partitions."""
+        self._lag_checked = time.monotonic()
+        lag = 0
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                lag += max(0, highwater - consumer.position(tp))
+        self.counters.lag_records = lag
 
     # ---- per message ----------------------------------------------------------------------
     def _accept(self, partition: int, message: object) -> None:

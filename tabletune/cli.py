@@ -165,6 +165,7 @@ def run_ingest(args: argparse.Namespace) -> int:
         "files_total": ingestor.counters.files, "windows_total": ingestor.counters.windows,
         "dead_lettered_total": ingestor.counters.dlq,
         "skipped_duplicates_total": ingestor.counters.skipped_duplicates,
+        "lag_messages": ingestor.counters.lag_records,
     }, {"group": args.group})
     signal.signal(signal.SIGTERM, lambda signum, frame: ingestor.stop())
     try:

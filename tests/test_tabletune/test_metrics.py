@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from producers.identity import EngineIdentity
+from producers.recorder import StepRecorder
+from producers.sinks import FileSink
+from producers.table_switch import TableSwitch
+from schemas import DraftTable
+from tabletune.broker import free_port
+from tabletune.metrics import CountersCollector, engine_counters, serve_metrics
+from tests.test_producers.test_recorder import record
+
+
+def test_engine_counters_are_exposed(tmp_path):
+    recorder = StepRecorder(EngineIdentity("e1", "m", "eagle", "h100"), FileSink(tmp_path),
+                            max_k=4)
+    switch = TableSwitch(DraftTable.from_vllm([[1, 8, 3]]), max_k=4, max_batch=8)
+    for i in range(7):
+        record(recorder, i)
+    recorder.flush()
+    switch.stage(DraftTable.from_vllm([[1, 8, 2]]), version=5)
+    switch.apply_staged()
+    registry = CollectorRegistry()
+    registry.register(CountersCollector("engine", lambda: engine_counters(recorder, switch,
+                                                                          None),
+                                        {"engine_id": "e1"}))
+    text = generate_latest(registry).decode()
+    assert 'tabletune_engine_records_total{engine_id="e1"} 7.0' in text
+    assert 'tabletune_engine_table_version{engine_id="e1"} 5.0' in text
+    assert 'tabletune_engine_table_swaps_total{engine_id="e1"} 1.0' in text
+    recorder.close()
+
+
+def test_metrics_endpoint_serves_on_the_configured_port():
+    port = free_port()
+    serve_metrics("ingest", lambda: {"records_total": 42, "lag_messages": 3},
+                  {"group": "g"}, port=port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
+        text = response.read().decode()
+    assert 'tabletune_ingest_records_total{group="g"} 42.0' in text
+    assert 'tabletune_ingest_lag_messages{group="g"} 3.0' in text

@@ -31,6 +31,7 @@ class StatusPublisher:
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)
         self.errors = 0
         self._producer: KafkaProducer | None = None
+        self._broken = False
         self._lock = threading.Lock()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -49,18 +50,29 @@ class StatusPublisher:
     def _publish(self, payload: dict[str, Any]) -> None:
         with self._lock:
             try:
+                if self._broken and self._producer is not None:
+                    self._producer.close(timeout=0)
+                    self._producer = None
+                self._broken = False
                 if self._producer is None:
                     self._producer = KafkaProducer(**self.settings.client_kwargs(),
                                                    max_block_ms=2000, linger_ms=5)
-                self._producer.send(self.settings.topics.status,
-                                    key=self.engine_id.encode(),
-                                    value=json.dumps(payload, default=str).encode())
+                future = self._producer.send(self.settings.topics.status,
+                                             key=self.engine_id.encode(),
+                                             value=json.dumps(payload, default=str).encode())
+                future.add_errback(self._delivery_failed)
             except Exception:  # status is best effort; the decision itself already happened
                 self.errors += 1
                 log.debug("status event not published", exc_info=True)
                 if self._producer is not None:
                     self._producer.close(timeout=0)
                     self._producer = None
+
+    def _delivery_failed(self, exc: BaseException) -> None:
+        # An idempotent producer cannot recover from a broker that lost its producer ids
+        # (a restart): the next event gets a fresh producer.
+        self.errors += 1
+        self._broken = True
 
     def close(self) -> None:
         with self._lock:

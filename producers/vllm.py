@@ -144,7 +144,8 @@ class TableTuneHook:
         now = time.perf_counter()
         started, version, forced = now, 0, False
         key = id(output)
-        for entry in self._tt_schedules:
+        # Newest first: ids of freed outputs are reused, and only the newest can be ours.
+        for entry in reversed(self._tt_schedules):
             if entry[0] == key:
                 _, started, version, forced = entry
                 break

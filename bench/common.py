@@ -1,26 +1,12 @@
-"""Shared bits of the benchmarks: machine description and result writing."""
+"""Shared bits of the benchmarks: result writing (the machine description is the suite's)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
-
-def machine() -> dict[str, Any]:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cores": os.cpu_count(), "cpu": model, "python": platform.python_version(),
-            "date": dt.date.today().isoformat()}
+from tabletune.suite.machine import machine
 
 
 def emit(name: str, result: dict[str, Any], out_dir: str | None) -> None:

@@ -266,6 +266,27 @@ class FileSink:
         return {"files": self.files, "sent_records": self.records}
 
 
+class NullSink:
+    """Counts and discards frames: the recorder's full cost without any I/O (`null://`)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.frames = 0
+
+    def write(self, records: pa.Table) -> None:
+        self.frames += 1
+        self.records += records.num_rows
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        return None
+
+    def counters(self) -> dict[str, int]:
+        return {"sent_records": self.records, "frames": self.frames}
+
+
 def read_file_sink(directory: str | os.PathLike[str]) -> pa.Table:
     """All records a FileSink wrote, in file-name order (engine, then step range)."""
     tables = [ipc.open_file(str(p)).read_all() for p in sorted(Path(directory).glob("*.arrow"))]
@@ -275,9 +296,12 @@ def read_file_sink(directory: str | os.PathLike[str]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def sink_from_url(url: str, settings: Settings | None = None) -> KafkaSink | FileSink:
-    """`kafka://host:port[,host:port]` or `file:///dir` (TABLETUNE_SINK)."""
+def sink_from_url(url: str, settings: Settings | None = None
+                  ) -> KafkaSink | FileSink | NullSink:
+    """`kafka://host:port[,host:port]`, `file:///dir` or `null://` (TABLETUNE_SINK)."""
     parsed = urlparse(url)
+    if parsed.scheme == "null":
+        return NullSink()
     if parsed.scheme == "kafka":
         servers = url[len("kafka://"):].strip("/")
         if not servers:
@@ -288,7 +312,8 @@ def sink_from_url(url: str, settings: Settings | None = None) -> KafkaSink | Fil
         if not parsed.path or parsed.netloc:
             raise SinkError(f"TABLETUNE_SINK={url!r}: use file:///absolute/dir")
         return FileSink(parsed.path)
-    raise SinkError(f"TABLETUNE_SINK={url!r}: expected kafka://host:port or file:///dir")
+    raise SinkError(f"TABLETUNE_SINK={url!r}: expected kafka://host:port, file:///dir "
+                    "or null://")
 
 
 def _safe(text: str) -> str:

@@ -8,6 +8,7 @@ arrive through `TableSwitch`. See docs/TWIN.md for the scenario format.
                            "vllm-doc", sink="file:///tmp/telemetry")
 """
 
+from producers.sinks import NullSink
 from producers.twin.config import (
     CostConfig,
     DrafterConfig,
@@ -25,7 +26,7 @@ from producers.twin.policies import (
     make_policy,
     register_policy,
 )
-from producers.twin.run import NullSink, build_engine, run_scenario
+from producers.twin.run import build_engine, run_scenario
 from producers.twin.scenario_file import load_scenario, parse_scenario
 from producers.twin.static import StaticResult, static_speedups
 from producers.twin.summary import RunSummary

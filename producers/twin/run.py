@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
-
 from producers.identity import EngineIdentity
 from producers.recorder import RecorderConfig, Sink, StepRecorder
 from producers.sinks import sink_from_url
@@ -22,30 +20,9 @@ from producers.twin.scenario_file import load_scenario
 from producers.twin.summary import RunSummary, summarize
 
 
-class NullSink:
-    """Counts and discards frames: the recorder's full cost without any I/O."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.frames = 0
-
-    def write(self, records: pa.Table) -> None:
-        self.frames += 1
-        self.records += records.num_rows
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        return None
-
-    def counters(self) -> dict[str, int]:
-        return {"sent_records": self.records, "frames": self.frames}
-
-
 def open_sink(url: str) -> Sink:
     """`kafka://host:port`, `file:///dir`, or `null://` (recorder on, records discarded)."""
-    return NullSink() if url.startswith("null:") else sink_from_url(url)
+    return sink_from_url(url)
 
 
 def run_scenario(scenario: Scenario | str | Path, policy: Policy | str, *,

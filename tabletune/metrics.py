@@ -80,6 +80,10 @@ def engine_counters(recorder: Any, switch: Any, feed: Any) -> dict[str, float]:
         out["table_version"] = switch.version
         out["table_swaps_total"] = len(switch.applied)
         out["forced"] = float(switch.forced)
+        explorer = switch.explorer
+        # rate(probes_total) / rate(records_total) is the realised exploration share.
+        out["exploration_probes_total"] = getattr(explorer, "probes", 0)
+        out["exploration_share_target"] = 1.0 / explorer.period if explorer else 0.0
     if feed is not None:
         events = [e["event"] for e in feed.status.recent]
         out["table_rejections_total"] = events.count("rejected")

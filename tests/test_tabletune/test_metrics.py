@@ -31,6 +31,7 @@ def test_engine_counters_are_exposed(tmp_path):
     assert 'tabletune_engine_records_total{engine_id="e1"} 7.0' in text
     assert 'tabletune_engine_table_version{engine_id="e1"} 5.0' in text
     assert 'tabletune_engine_table_swaps_total{engine_id="e1"} 1.0' in text
+    assert 'tabletune_engine_exploration_probes_total{engine_id="e1"} 0.0' in text
     recorder.close()
 
 

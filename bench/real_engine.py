@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -157,9 +159,10 @@ def _run_engine(args: argparse.Namespace, work: Path, pair: Any, spec: Any, key:
 
     # warm-up at every concurrency (first calls allocate)
     t = time.monotonic()
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for c in args.concurrency:
         bench.force_k(max_k)
-        bench.measure(c)
+        llm.generate(prompts(c), short, use_tqdm=False)
     timings["warmup_s"] = time.monotonic() - t
 
     # 1. the fixed-K sweep (also the profile)
@@ -177,6 +180,7 @@ def _run_engine(args: argparse.Namespace, work: Path, pair: Any, spec: Any, key:
                 if bench.switch.version != version:
                     off_table += 1
                 fixed[c][k].append(rate)
+                print(f"  C={c} K={k}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
         print(f"round {round_ + 1}/{args.rounds} of the fixed-K sweep done "
               f"({time.monotonic() - t:.0f} s)", flush=True)
     timings["fixed_sweep_s"] = time.monotonic() - t
@@ -215,6 +219,7 @@ def _run_engine(args: argparse.Namespace, work: Path, pair: Any, spec: Any, key:
         for c in args.concurrency:
             rate = bench.measure(c)
             tabletune[c].append(rate)
+            print(f"  C={c} TableTune: {rate:.1f} tok/s", file=sys.stderr, flush=True)
             if bench.switch.version != envelope.version:
                 raise SystemExit("the applied table changed during the measurement "
                                  f"(now version {bench.switch.version})")
@@ -311,6 +316,8 @@ def main() -> None:
             setattr(args, name, value)
     if 0 not in args.k:
         parser.error("--k must include 0 (speculation off is a fixed-K baseline)")
+    # SIGTERM unwinds like Ctrl-C, so the embedded broker is stopped in run()'s finally
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)
     from bench.common import emit
     emit("real_engine", result, args.out)

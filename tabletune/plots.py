@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from schemas import DraftTable  # noqa: E402
+
 
 def surface_heatmap(surface: Mapping[str, Any], table: Sequence[Sequence[int]], title: str,
                     path: Path) -> Path:
@@ -58,13 +60,7 @@ def table_steps(tables: Mapping[str, Sequence[Sequence[int]]],
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B (log scale)")
     ax.set_ylabel("draft length K")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, title, path)
 
 
 def throughput_timeline(series: Mapping[str, Sequence[Sequence[float]]],
@@ -81,6 +77,10 @@ def throughput_timeline(series: Mapping[str, Sequence[Sequence[float]]],
                     fontsize=8, color="grey")
     ax.set_xlabel("time (s, virtual)")
     ax.set_ylabel("output tokens / s")
+    return _finish(fig, ax, title, path)
+
+
+def _finish(fig: Any, ax: Any, title: str, path: Path) -> Path:
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -91,9 +91,4 @@ def throughput_timeline(series: Mapping[str, Sequence[Sequence[float]]],
 
 
 def _k_for(table: Sequence[Sequence[int]], batch_size: int) -> int:
-    chosen = table[0][2]
-    for start, _, k in table:
-        if start > batch_size:
-            break
-        chosen = k
-    return int(chosen)
+    return DraftTable.from_vllm([list(r) for r in table]).k_for(batch_size)

@@ -59,6 +59,10 @@ class TableFeed:
         self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
+        # Announced here, not in the engine's constructor: a down broker must not delay
+        # the engine's start (status publishing may wait for metadata).
+        self.status.emit("started", version=self.switch.version,
+                         startup_k_values=sorted(self.limits.startup_k_values))
         while not self._stop.is_set():
             try:
                 self._follow()

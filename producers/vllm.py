@@ -86,9 +86,12 @@ class TableTuneHook:
         if self._tt_recorder is None:
             return
         from tabletune.metrics import engine_counters, serve_metrics
-        serve_metrics("engine", lambda: engine_counters(self._tt_recorder, self._tt_switch,
-                                                        self._tt_feed),
-                      {"engine_id": identity.engine_id})
+        try:
+            serve_metrics("engine", lambda: engine_counters(self._tt_recorder,
+                                                            self._tt_switch, self._tt_feed),
+                          {"engine_id": identity.engine_id})
+        except (OSError, ValueError):  # a taken port must not cost the engine its telemetry
+            log.exception("TableTune metrics endpoint not started")
         log.info("TableTune telemetry for %s -> %s (table switch: %s)", identity.engine_id,
                  sink_url, "on" if self._tt_switch else "off, no startup table")
 
@@ -230,8 +233,6 @@ def start_table_feed(settings: Settings, identity: EngineIdentity, switch: Table
     limits = EngineLimits(key=key, startup_k_values=frozenset(switch.startup_table.k_values),
                           max_batch=max_num_seqs)
     status = StatusPublisher(settings, identity.engine_id, str(key))
-    status.emit("started", version=switch.version,
-                startup_k_values=sorted(limits.startup_k_values))
     share = float(os.environ.get("TABLETUNE_EXPLORE_SHARE", "0.02"))
     return TableFeed(settings, switch, limits, status, explore_share=share, tap=tap).start()
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from controller.table_log import control, publish, read_log
+from controller.table_log import control, publish, read_log, read_topic
 from schemas import TableControl, TableEnvelope, TableError, TableKey
 from tabletune.settings import Settings
 from tabletune.table_files import load_table_file
@@ -145,27 +144,13 @@ def run_follow(args: argparse.Namespace) -> int:
 
 
 def status_events(settings: Settings, key: str, timeout_s: float = 10.0) -> list[dict]:
-    consumer = KafkaConsumer(**settings.client_kwargs(), enable_auto_commit=False)
+    """The status topic's events about table `key`, oldest first."""
     events: list[dict] = []
-    try:
-        partitions = consumer.partitions_for_topic(settings.topics.status) or set()
-        assigned = [TopicPartition(settings.topics.status, p) for p in sorted(partitions)]
-        if not assigned:
-            return events
-        consumer.assign(assigned)
-        consumer.seek_to_beginning(*assigned)
-        idle, deadline = 0, time.monotonic() + timeout_s
-        while idle < 3 and time.monotonic() < deadline:
-            batches = consumer.poll(timeout_ms=200)
-            idle = 0 if batches else idle + 1
-            for messages in batches.values():
-                for message in messages:
-                    try:
-                        event = json.loads(message.value)
-                    except ValueError:
-                        continue
-                    if event.get("table_key") == key:
-                        events.append(event)
-    finally:
-        consumer.close()
+    for message in read_topic(settings, settings.topics.status, timeout_s=timeout_s):
+        try:
+            event = json.loads(message.value)
+        except ValueError:
+            continue
+        if event.get("table_key") == key:
+            events.append(event)
     return events

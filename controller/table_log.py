@@ -48,34 +48,40 @@ def control(key: TableKey, action: str, version: int | None = None,
                         issued_by=issued_by)
 
 
-def read_log(settings: Settings, key: TableKey | None = None, *,
-             idle_polls: int = 3, timeout_s: float = 30.0) -> list[LogEntry]:
-    """Every message of the tables topic (of one key), read from the beginning.
+def read_topic(settings: Settings, topic: str, *, idle_polls: int = 3,
+               timeout_s: float = 30.0) -> list[Any]:
+    """Every message of `topic`, read from the beginning of all its partitions.
 
     "Caught up" is decided by idle polls, not end offsets (they are unreliable on some
-    Kafka-protocol brokers)."""
+    Kafka-protocol brokers). No consumer group: nothing is committed."""
     consumer = KafkaConsumer(**settings.client_kwargs(), enable_auto_commit=False)
     try:
-        partitions = consumer.partitions_for_topic(settings.topics.tables) or set()
-        assigned = [TopicPartition(settings.topics.tables, p) for p in sorted(partitions)]
+        partitions = consumer.partitions_for_topic(topic) or set()
+        assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
         if not assigned:
             return []
         consumer.assign(assigned)
         consumer.seek_to_beginning(*assigned)
-        entries: list[LogEntry] = []
+        messages: list[Any] = []
         idle = 0
         deadline = time.monotonic() + timeout_s
         while idle < idle_polls and time.monotonic() < deadline:
             batches = consumer.poll(timeout_ms=200)
             idle = 0 if batches else idle + 1
-            for messages in batches.values():
-                for message in messages:
-                    if key is not None and message.key != str(key).encode():
-                        continue
-                    entries.append(_entry(message))
-        return entries
+            for batch in batches.values():
+                messages.extend(batch)
+        return messages
     finally:
         consumer.close()
+
+
+def read_log(settings: Settings, key: TableKey | None = None, *,
+             idle_polls: int = 3, timeout_s: float = 30.0) -> list[LogEntry]:
+    """Every message of the tables topic (of one key), read from the beginning."""
+    wanted = None if key is None else str(key).encode()
+    return [_entry(message) for message in read_topic(
+        settings, settings.topics.tables, idle_polls=idle_polls, timeout_s=timeout_s)
+        if wanted is None or message.key == wanted]
 
 
 def newest_version(settings: Settings, key: TableKey) -> int:

@@ -3,7 +3,9 @@
 Both tables are scored under the candidate's fitted surface (it is the newest knowledge of
 the engine), on the batch sizes the engine actually ran recently, so a table that differs
 only where no traffic goes is not worth a swap (every swap is a guardrail watch and a risk).
-Stand-in for `fitter.refit.decide_refit` until that exists; same question, pure.
+The batch fitter asks the same question in `fitter.refit.predicted_gain`, under its full
+`SurfaceFit` and weighted by time share; the closed loop only has the fitted envelope, so it
+asks it of the envelope's summarised surface, weighted by recent steps.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from typing import Any
 from schemas.envelope import (
     EnvelopeError,
     Signature,
-    SignatureError,
     TableKey,
     canonical_json,
     hmac_hex,
@@ -107,4 +106,4 @@ def parse_table_message(raw: bytes | str) -> Any:
     return TableEnvelope.from_dict(data)
 
 
-__all__ = ["ACTIONS", "SignatureError", "TableControl", "parse_table_message"]
+__all__ = ["ACTIONS", "TableControl", "parse_table_message"]

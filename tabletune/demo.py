@@ -13,7 +13,6 @@ runs on the same traffic for comparison. Writes `demo-out/report.md` and PNG plo
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -205,8 +204,3 @@ def _compare(result: GroupResult, phase_s: float, out_dir: Path,
         for mix in mixes:
             result.best_k_by_load[mix][concurrency] = max(rates[mix],
                                                           key=rates[mix].__getitem__)
-
-
-def median_live(result: GroupResult, key: str, phase: int | None = None) -> float:
-    values = [(s if phase is None else s["phases"][phase])[key] for s in result.live]
-    return statistics.median(values)

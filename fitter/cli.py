@@ -31,8 +31,9 @@ def register(commands: Any) -> None:
     profile.add_argument("--budget-s", type=float, default=120.0,
                          help="engine seconds for the whole sweep (default 120)")
     profile.add_argument("--out", required=True, metavar="DIR", help="folder for table.json")
-    profile.add_argument("--cells", type=int, default=24,
-                         help="cells that share the budget (default 24)")
+    profile.add_argument("--cells", type=int, default=None,
+                         help="cells that share the budget (default 16: 7.5 s each of the "
+                         "default budget)")
     profile.add_argument("--sink", default=None,
                          help="twin: also send the profile's telemetry to kafka://host:port "
                          "or file:///dir")
@@ -86,7 +87,7 @@ def register(commands: Any) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from fitter.profile import ProfileError, profile
+    from fitter.profile import DEFAULT_CELLS, ProfileError, profile
     from fitter.profile_progress import ProgressBar
     from producers.sinks import SinkError, sink_from_url
     from producers.twin.config import ScenarioError
@@ -99,7 +100,8 @@ def run_profile(args: argparse.Namespace) -> int:
         sink = sink_from_url(args.sink) if args.sink else None
         with ProgressBar(args.budget_s, enabled=not args.no_progress) as bar:
             result = profile(args.engine, max_k=args.max_k, budget_s=args.budget_s,
-                             out_dir=args.out, cells=args.cells, sink=sink,
+                             out_dir=args.out,
+                             cells=DEFAULT_CELLS if args.cells is None else args.cells, sink=sink,
                              on_progress=bar.update, **options)
     except (ProfileError, ScenarioError, SinkError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -35,9 +35,12 @@ from schemas import TableEnvelope, TableKey
 
 DEFAULT_BUDGET_S = 120.0
 """Two minutes of engine time (virtual time on the twin)."""
-DEFAULT_CELLS = 24
-"""Cells per budget: enough for the seed design plus ~20 adaptive picks, each long enough
-(5 s of the default budget) for a few hundred steps even at the top load."""
+DEFAULT_CELLS = 16
+"""Cells per budget: the seed design plus a dozen adaptive picks, each 7.5 s of the default
+budget. Fewer, longer cells beat more, shorter ones: a cell starts with a batch of fresh
+requests and acceptance moves along an output (n-gram matches more the more text it has
+seen), so a short cell only sees openings; the latency model needs few cells to generalise,
+the acceptance estimate needs the batch to age (bench/profile_quality.py, 24 vs 16 cells)."""
 MIN_CELL_S = 1.0
 BUILTIN_SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
 

@@ -130,9 +130,14 @@ class ProfilePolicy(Policy):
         cell = pick.cell
         assert self._phase is not None
         # The load is the profiler's: a closed loop at the cell's concurrency (the scenario
-        # only supplies the workload). Lowering it lets the surplus requests finish first.
+        # only supplies the workload). Lowering it aborts the surplus, as a load client
+        # closing connections would: left to drain, the survivors would fill the cell with a
+        # shrinking batch of the longest requests, whose acceptance is nothing like the mix's.
         engine.traffic.phases = (dataclasses.replace(self._phase, concurrency=cell.concurrency,
                                                      rate_rps=None),)
+        surplus = engine.batch.n + len(engine.waiting) - cell.concurrency
+        if surplus > 0:
+            engine.abort(surplus)
         table = DraftTable.from_vllm([[1, engine.switch.max_batch, cell.k]])
         engine.switch.stage(table, 0, forced=True)
         start = engine.clock_s

@@ -22,12 +22,15 @@ from fitter.surface.goodput import (
 )
 from fitter.surface.latency import StepLatencyModel
 from fitter.surface.share import DraftShareModel
+from fitter.surface.sustained import SustainedYieldModel
 from fitter.surface.telemetry import (
+    MIN_SUSTAINED_STEPS,
     acceptance_rows,
     context_by_batch,
     draft_share_rows,
     latency_cells,
     recency_weights,
+    sustained_rows,
     to_frame,
 )
 from fitter.surface.validation import check_param
@@ -57,6 +60,8 @@ class SurfaceFit:
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL
     draft_share: DraftShareModel | None = None
     """Share of decode requests that draft (n-gram: those with a match); None = all do."""
+    sustained: SustainedYieldModel | None = None
+    """What steady runs at each K emitted against the pooled prediction; None = no such runs."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -66,7 +71,7 @@ class SurfaceFit:
         return evaluate_surface(
             self.latency, self.acceptance, batch, k_values, self.context_tokens[batch - 1],
             latency_extrapolation_rel=self.latency_extrapolation_rel,
-            draft_share=self.draft_share,
+            draft_share=self.draft_share, sustained=self.sustained,
         )
 
 
@@ -114,6 +119,7 @@ def fit_surface(
     draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
                    if share_weight.size else None)
 
+    sustained = _fit_sustained(frame, weights, acceptance, draft_share)
     context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
@@ -127,4 +133,18 @@ def fit_surface(
         half_life_s=half_life_s,
         latency_extrapolation_rel=latency_extrapolation_rel,
         draft_share=draft_share,
+        sustained=sustained,
     )
+
+
+def _fit_sustained(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,
+                   draft_share: DraftShareModel | None) -> SustainedYieldModel | None:
+    """The sustained-yield line against this fit's pooled prediction; None without steady
+    runs at any K the acceptance model covers."""
+    rows = sustained_rows(frame, weights, min_run_steps=MIN_SUSTAINED_STEPS)
+    rows = rows[rows[:, 0] <= acceptance.n_positions_]
+    if rows.shape[0] == 0:
+        return None
+    share = 1.0 if draft_share is None else float(draft_share.share_)
+    rows[:, 2] = share * (acceptance.predict(rows[:, 0].astype(np.int64)) - 1.0)
+    return SustainedYieldModel().fit(rows)

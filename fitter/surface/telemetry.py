@@ -202,3 +202,62 @@ def context_by_batch(frame: pl.DataFrame, weights: NDArray[np.float64],
     prior = CONTEXT_PRIOR_STEPS * float(w.mean())
     means = (value_sum[has_data] + prior * overall) / (weight_sum[has_data] + prior)
     return np.interp(np.log2(np.maximum(batch_sizes, 1)), has_data + 0.5, means)
+
+
+MIN_SUSTAINED_STEPS = 32
+"""A step counts as steady at its K once the engine has asked for that K this many steps in a
+row: the step right after a switch (or an exploration probe) still holds the batch the
+previous K shaped."""
+
+
+def sustained_rows(frame: pl.DataFrame, weights: NDArray[np.float64], *,
+                   min_run_steps: int = MIN_SUSTAINED_STEPS) -> NDArray[np.float64]:
+    """Per K > 0 that ran steadily: K, weighted accepted tokens per decode request, weighted
+    decode requests, and weighted requests seen (see `fitter.surface.sustained`; the pooled
+    prediction column is the caller's to fill, it is returned as NaN).
+
+    The K a step verifies is the `k_next` of the same engine's previous step (`k` says only
+    what the longest draft was, and is 0 when no request drafted). A gap in `step_seq`
+    breaks a run. Requests seen = those in the batch when a steady stretch starts plus every
+    request that started prefill during it.
+    """
+    ordered = (
+        frame.lazy()
+        .select("engine_id", "step_seq", "k_next", "num_decode_reqs", "num_prefill_reqs",
+                "batch_size",
+                pl.col("accepted_per_pos").list.sum().fill_null(0).alias("num_accepted_tokens"))
+        .with_columns(_w=pl.Series(weights))
+        .sort("engine_id", "step_seq")
+        .with_columns(
+            _asked=pl.when((pl.col("step_seq") - pl.col("step_seq").shift(1).over("engine_id"))
+                           == 1)
+            .then(pl.col("k_next").shift(1).over("engine_id")).otherwise(None))
+        .with_columns(
+            _run=(pl.col("_asked").is_null()
+                  | (pl.col("_asked") != pl.col("_asked").shift(1).over("engine_id"))
+                  | pl.col("_asked").shift(1).over("engine_id").is_null())
+            .cast(pl.Int64).cum_sum().over("engine_id"))
+        .with_columns(_pos=pl.int_range(pl.len()).over("engine_id", "_run"))
+        .filter((pl.col("_asked") > 0) & (pl.col("_pos") >= min_run_steps)
+                & (pl.col("num_decode_reqs") > 0) & (pl.col("_w") > 0))
+        .with_columns(_first=pl.col("_pos") == min_run_steps)
+        .group_by("_asked")
+        .agg(
+            (pl.col("_w") * pl.col("num_accepted_tokens")).sum().alias("accepted"),
+            (pl.col("_w") * pl.col("num_decode_reqs")).sum().alias("decode"),
+            (pl.col("_w") * (pl.col("num_prefill_reqs")
+                             + pl.when(pl.col("_first")).then(pl.col("batch_size"))
+                             .otherwise(0))).sum().alias("requests"),
+        )
+        .sort("_asked")
+        .collect()
+    )
+    if ordered.height == 0:
+        return np.zeros((0, 4))
+    decode = ordered["decode"].to_numpy().astype(np.float64)
+    return np.column_stack([
+        ordered["_asked"].to_numpy().astype(np.float64),
+        ordered["accepted"].to_numpy() / decode,
+        np.full(decode.size, np.nan),
+        ordered["requests"].to_numpy().astype(np.float64),
+    ])

@@ -72,8 +72,8 @@ class TwinEngine:
         self.cost = CostModel.from_config(scenario.cost, self.method)
         self.noise = scenario.cost.noise
         self.max_batched_tokens = limits.max_num_batched_tokens
-        pool_rng, traffic_rng, self._noise_rng, self._match_rng = (
-            np.random.default_rng(s) for s in np.random.SeedSequence(scenario.seed).spawn(4))
+        pool_rng, traffic_rng, self._noise_rng, self._match_rng, self._abort_rng = (
+            np.random.default_rng(s) for s in np.random.SeedSequence(scenario.seed).spawn(5))
         self.pools = [self._pool(i, pool_rng) for i in range(len(scenario.phases))]
         bases = np.cumsum([0] + [len(p.acc_len) for p in self.pools])
         self.pool_base = [int(b) for b in bases[:-1]]
@@ -223,6 +223,26 @@ class TwinEngine:
             num_accepted_tokens=accepted, accepted_per_pos=tuple(int(c) for c in per_pos),
             kv_tokens=kv, step_latency_s=latency, emitted_tokens=emitted,
             table_version=self.switch.version)
+
+    def abort(self, count: int) -> int:
+        """Abort `count` requests, as a client that closes its connections makes vLLM do:
+        waiting ones first (newest first), then running ones drawn at random, so what is left
+        is still a fair sample of the batch. Aborted requests emit nothing more and do not
+        count as finished. Returns how many were aborted."""
+        aborted = 0
+        while aborted < count and self.waiting:
+            self.waiting.pop()
+            aborted += 1
+        b = self.batch
+        take = min(count - aborted, b.n)
+        if take > 0:
+            rows = self._abort_rng.choice(b.n, size=take, replace=False)
+            gone = np.zeros(b.n, dtype=bool)
+            gone[rows] = True
+            self._prefilling -= int(np.count_nonzero(gone[b.n - self._prefilling:]))
+            b.remove(gone)
+            aborted += take
+        return aborted
 
     def _schedule_prefills(self, d: int, budget: int) -> np.ndarray:
         """Prompt chunks for the prefill rows [d, n), then for newly admitted requests while

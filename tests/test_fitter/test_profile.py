@@ -117,3 +117,21 @@ def test_profile_command_line(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["path"] == str(tmp_path / "table.json") and len(out["cells"]) == 4
     assert main(["profile", "--engine", "twin:nope", "--out", str(tmp_path)]) == 1
+
+
+def test_lowering_the_load_aborts_the_surplus_instead_of_draining_it(tmp_path):
+    """A cell at a lower concurrency runs at that concurrency from its first step: left to
+    drain, the surplus would fill the cell with the longest requests of the previous one."""
+    sink_dir = tmp_path / "telemetry"
+    result = profile(_parametric_scenario(), budget_s=24.0, cells=8, sink=FileSink(sink_dir))
+    records = read_file_sink(sink_dir)
+    ts_s = np.asarray(records.column("ts_ns")) * 1e-9
+    batch = np.asarray(records.column("batch_size"))
+    lowered = 0
+    for previous, cell in zip(result.cells, result.cells[1:], strict=False):
+        if cell.cell.concurrency >= previous.cell.concurrency:
+            continue
+        lowered += 1
+        inside = (ts_s >= cell.start_s) & (ts_s < cell.end_s - 1e-6)  # ts_ns truncates
+        assert inside.any() and batch[inside].max() <= cell.cell.concurrency
+    assert lowered >= 1

@@ -192,3 +192,37 @@ def test_realtime_paces_virtual_time_to_the_wall_clock():
     summary = run_scenario(scenario(workload(duration_s=0.3)), "fixed:3", realtime=True)
     assert time.monotonic() - start >= 0.28
     assert summary.steps > 5
+
+
+def test_abort_drops_waiting_first_then_random_running_requests():
+    policy = Recording([[1, 256, 3]])
+    engine, _, _ = build_engine(scenario(workload(concurrency=32, duration_s=2.0),
+                                         max_num_seqs=16), policy)
+    engine.run(policy)
+    running, waiting = engine.batch.n, len(engine.waiting)
+    assert running == 16 and waiting == 16  # closed loop of 32 on 16 slots
+    before = set(engine.batch.request_id[:running].tolist())
+    assert engine.abort(20) == 20
+    assert not engine.waiting and engine.batch.n == 12
+    left = engine.batch.request_id[:12].tolist()
+    assert set(left) < before and left == sorted(left)  # admission order is kept
+    aborted = before - set(left)
+    engine.end_s += 2.0
+    engine.run(policy)  # aborted requests emit nothing more and never finish
+    finished = set(engine.log.finished()["request_id"].tolist())
+    assert set(left) & finished and not aborted & finished
+
+
+def test_aborting_requests_in_prefill_keeps_the_engine_consistent():
+    policy = Recording([[1, 256, 2]])
+    engine, _, _ = build_engine(scenario(workload(concurrency=48, duration_s=0.05,
+                                                  prompt_scale=40.0)), policy)
+    engine.run(policy)
+    assert engine._prefilling > 0  # long prompts: some requests are mid-prefill
+    engine.abort(engine.batch.n // 2)
+    d = engine.batch.n - engine._prefilling
+    assert (engine.batch.computed[:d] >= engine.batch.prompt[:d]).all()
+    assert (engine.batch.computed[d:engine.batch.n] < engine.batch.prompt[d:engine.batch.n]).all()
+    engine.end_s += 5.0
+    engine.run(policy)  # steps on from the aborted state without tripping an invariant
+    assert engine.clock_s >= engine.end_s

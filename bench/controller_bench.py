@@ -18,6 +18,7 @@ All twin runs use the h100-llama3.1-8b cost profile and virtual time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import threading
 import time
@@ -56,9 +57,11 @@ def table_at(policy: TabletunePolicy, t_s: float) -> tuple[int, DraftTable] | No
     return active[-1] if active else None
 
 
-def recovery(name: str) -> dict[str, Any]:
+def recovery(name: str, seed: int | None = None) -> dict[str, Any]:
     path = SCENARIOS / name
     scenario = load_scenario(path)
+    if seed is not None:
+        scenario = dataclasses.replace(scenario, seed=seed)
     policy = TabletunePolicy()
     tt = run_scenario(scenario, policy)
     policy.close()
@@ -74,7 +77,8 @@ def recovery(name: str) -> dict[str, Any]:
         tt_rate, stale_rate = window_rate(tt, start, end), window_rate(stale_run, start, end)
         loss = rates[best_k] - stale_rate
         rows.append({
-            "scenario": name, "phase": phase["name"], "window_s": [start, end],
+            "scenario": name, "seed": scenario.seed, "phase": phase["name"],
+            "window_s": [start, end],
             "stale_version": stale[0], "stale_table": stale[1].to_vllm(),
             "tabletune_tok_s": round(tt_rate, 1), "stale_tok_s": round(stale_rate, 1),
             "best_fixed_k": best_k, "best_fixed_tok_s": round(rates[best_k], 1),
@@ -84,7 +88,31 @@ def recovery(name: str) -> dict[str, Any]:
             "stale_events": sum(1 for e in policy.loop.decisions if e["what"] == "stale"),
             "rollbacks": sum(1 for e in policy.loop.decisions if e["what"] == "roll_back"),
         })
-    return {"scenario": name, "phases": rows}
+    return {"scenario": name, "seed": scenario.seed, "phases": rows}
+
+
+def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario and phase, over seeds: the median recovery and the pooled one,
+    (sum tabletune - sum stale) / (sum best fixed - sum stale), which weighs each seed by
+    what its stale table lost and so is not thrown by a seed whose loss is tiny."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for entry in entries:
+        for row in entry["phases"]:
+            groups.setdefault((row["scenario"], row["phase"]), []).append(row)
+    out = []
+    for (scenario, phase), rows in groups.items():
+        tt = sum(r["tabletune_tok_s"] for r in rows)
+        stale = sum(r["stale_tok_s"] for r in rows)
+        best = sum(r["best_fixed_tok_s"] for r in rows)
+        single = [r["recovery"] for r in rows if r["recovery"] is not None]
+        out.append({
+            "scenario": scenario, "phase": phase, "seeds": [r["seed"] for r in rows],
+            "stale_loss_pct": round(100 * (best - stale) / best, 2),
+            "tabletune_vs_best_pct": round(100 * (tt / best - 1), 2),
+            "pooled_recovery": round((tt - stale) / (best - stale), 3) if best > stale else None,
+            "median_recovery": round(float(np.median(single)), 3) if single else None,
+        })
+    return out
 
 
 def rollback(plant_at_s: float = 150.0) -> dict[str, Any]:
@@ -213,8 +241,17 @@ def markdown(results: dict[str, Any]) -> str:
              "| --- | --- | --- | --- | --- |"]
     for entry in results.get("recovery", []):
         for row in entry["phases"]:
-            lines.append(f"| {row['scenario']} | {row['phase']} | {row['stale_loss_pct']}% "
-                         f"| {row['tabletune_vs_best_pct']}% | {row['recovery']} |")
+            lines.append(f"| {row['scenario']} (seed {row['seed']}) | {row['phase']} "
+                         f"| {row['stale_loss_pct']}% | {row['tabletune_vs_best_pct']}% "
+                         f"| {row['recovery']} |")
+    if results.get("recovery_pooled"):
+        lines += ["", "| scenario | phase | seeds | stale loss | tabletune vs best fixed "
+                      "| pooled recovery | median recovery |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in results["recovery_pooled"]:
+            lines.append(f"| {row['scenario']} | {row['phase']} | {len(row['seeds'])} "
+                         f"| {row['stale_loss_pct']}% | {row['tabletune_vs_best_pct']}% "
+                         f"| {row['pooled_recovery']} | {row['median_recovery']} |")
     if "rollback" in results:
         lines.append(f"\nplanted K=7 table rolled back after "
                      f"{results['rollback']['rolled_back_after_s']} s (virtual)")
@@ -235,10 +272,18 @@ def main() -> None:
     parser.add_argument("--envelopes", type=int, default=30)
     parser.add_argument("--scenario", action="append", default=None,
                         help="drift scenario file name(s) under producers/twin/scenarios")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="run each drift scenario with these seeds instead of its own, "
+                        "and pool the recovery over them (the phase windows are noisy: a "
+                        "few long requests move a 3-minute window by tenths of a percent)")
     args = parser.parse_args()
     results: dict[str, Any] = {}
     if args.what in ("recovery", "all"):
-        results["recovery"] = [recovery(name) for name in (args.scenario or DRIFT)]
+        seeds: list[int | None] = list(args.seeds) if args.seeds else [None]
+        results["recovery"] = [recovery(name, seed) for name in (args.scenario or DRIFT)
+                               for seed in seeds]
+        if args.seeds:
+            results["recovery_pooled"] = pooled_recovery(results["recovery"])
     if args.what in ("rollback", "all"):
         results["rollback"] = rollback()
     if args.what in ("exploration", "all"):

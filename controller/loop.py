@@ -80,6 +80,12 @@ class _Sweep:
     index: int = -1
 
 
+def sustained_slope(envelope: TableEnvelope) -> float:
+    """The sustained-yield slope an envelope's fit measured; 0 when it has none."""
+    line = envelope.surface.get("sustained_yield") or {}
+    return float(line.get("slope", 0.0))
+
+
 class ClosedLoop:
     def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
                  fit: Fit, config: LoopConfig | None = None,
@@ -106,6 +112,9 @@ class ClosedLoop:
         self._fitted_range: tuple[int, int] | None = None
         self._anchor: pa.Table | None = None
         """Records of the last (re-)profile sweep."""
+        self._sweep_slope = 0.0
+        """The sustained-yield slope the last sweep's fit measured (`fitter.surface.sustained`):
+        live steps run one K per batch size, so periodic refits take it as their prior."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision with its virtual time, for benchmarks and tests."""
         self.applied: list[tuple[float, int, DraftTable]] = []
@@ -215,11 +224,13 @@ class ClosedLoop:
                                 max_batch=self.limits.max_batch,
                                 startup_k_values=self.k_values, version=version,
                                 half_life_s=None if reason == "profile" else cfg.half_life_s,
-                                now_ns=int(now_s * 1e9),
+                                now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
                                 provenance={"reason": reason})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return
+        if reason in ("profile", "stale"):
+            self._sweep_slope = sustained_slope(envelope)
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain = predicted_gain(envelope, current, batch[-2000:])

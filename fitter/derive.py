@@ -169,6 +169,10 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
                                           if surface.tokens_per_request is None
                                           else surface.tokens_per_request),
         "latency_observed_k": [int(k) for k in fit.latency.observed_k_],
+        **({} if fit.sustained is None else {"sustained_yield": {
+            "level": _round(fit.sustained.coef_[0]), "slope": _round(fit.sustained.coef_[1]),
+            "k_reference": _round(fit.sustained.k_reference_),
+            "observed_k": [int(k) for k in fit.sustained.observed_k_]}}),
         "latency_residual_scale": _round(fit.latency.residual_scale_),
     }
 

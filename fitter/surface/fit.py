@@ -87,12 +87,15 @@ def fit_surface(
     cell_saturation: float = DEFAULT_CELL_SATURATION,
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     dedupe: bool = True,
+    sustained_prior_slope: float = 0.0,
 ) -> SurfaceFit:
     """Fit latency on aggregated cells of all steps, acceptance and the share of requests
     that draft on drafting steps.
 
     `records` is a table with the step-record columns (pyarrow or polars). The estimators
     passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
+    `sustained_prior_slope` is the sustained-yield slope the last sweep measured (see
+    `fitter.surface.sustained`; 0 = none known).
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -119,7 +122,7 @@ def fit_surface(
     draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
                    if share_weight.size else None)
 
-    sustained = _fit_sustained(frame, weights, acceptance, draft_share)
+    sustained = _fit_sustained(frame, weights, acceptance, draft_share, sustained_prior_slope)
     context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
@@ -138,7 +141,8 @@ def fit_surface(
 
 
 def _fit_sustained(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,
-                   draft_share: DraftShareModel | None) -> SustainedYieldModel | None:
+                   draft_share: DraftShareModel | None,
+                   prior_slope: float) -> SustainedYieldModel | None:
     """The sustained-yield line against this fit's pooled prediction; None without steady
     runs at any K the acceptance model covers."""
     rows = sustained_rows(frame, weights, min_run_steps=MIN_SUSTAINED_STEPS)
@@ -147,4 +151,4 @@ def _fit_sustained(frame: Any, weights: NDArray[np.float64], acceptance: Accepta
         return None
     share = 1.0 if draft_share is None else float(draft_share.share_)
     rows[:, 2] = share * (acceptance.predict(rows[:, 0].astype(np.int64)) - 1.0)
-    return SustainedYieldModel().fit(rows)
+    return SustainedYieldModel(prior_slope=prior_slope).fit(rows)

@@ -17,9 +17,16 @@ The estimate. Per K that ran steadily: y_K = log(observed accepted tokens per de
 / the pooled prediction), with weight = requests seen during those runs (the noise is
 between requests: a handful of long copy-heavy requests moves a short run by 30%). A
 weighted ridge regression y = level + slope (K - K_ref) with Gaussian priors on both (a
-level of zero and a flat line: without steady runs the pooled model stands) gives the
-correction and its covariance; the per-request variance is pooled from the residuals with
-a prior of `prior_request_sd` on `prior_request_dof` degrees of freedom.
+level of zero: without steady runs the pooled model stands) gives the correction and its
+covariance; the per-request variance is pooled from the residuals with a prior of
+`prior_request_sd` on `prior_request_dof` degrees of freedom.
+
+The slope's prior. Live telemetry runs one K steadily per batch size, which fixes the
+level there and says nothing about the slope; a profile or a re-profile sweep runs every K
+and measures it (-0.015 per K for EAGLE, -0.08 for n-gram on the shared traces). The
+envelope carries the fitted line (`fitter.derive.surface_summary`), and a refit passes the
+last sweep's slope as `prior_slope`, so a refit that sees one K extrapolates with the
+slope its workload showed instead of a flat line.
 
 X layout (one row per K that ran steadily): `SUSTAINED_COLUMNS`.
 """
@@ -41,8 +48,10 @@ _FLOOR = 1e-6
 class SustainedYieldModel(BaseEstimator):
     """Log correction of accepted tokens per decode request, linear in K, with covariance."""
 
-    def __init__(self, *, prior_level_sd: float = 0.3, prior_slope_sd: float = 0.05,
-                 prior_request_sd: float = 0.4, prior_request_dof: float = 2.0) -> None:
+    def __init__(self, *, prior_slope: float = 0.0, prior_level_sd: float = 0.3,
+                 prior_slope_sd: float = 0.05, prior_request_sd: float = 0.4,
+                 prior_request_dof: float = 2.0) -> None:
+        self.prior_slope = prior_slope
         self.prior_level_sd = prior_level_sd
         self.prior_slope_sd = prior_slope_sd
         self.prior_request_sd = prior_request_sd
@@ -50,6 +59,7 @@ class SustainedYieldModel(BaseEstimator):
 
     def fit(self, X: ArrayLike, y: None = None) -> SustainedYieldModel:
         """Fit the line; `y` is unused (the target is a ratio of two columns of X)."""
+        check_param("prior_slope", self.prior_slope, low=-1.0, high=1.0)
         check_param("prior_level_sd", self.prior_level_sd, low=0.0, inclusive_low=False)
         check_param("prior_slope_sd", self.prior_slope_sd, low=0.0, inclusive_low=False)
         check_param("prior_request_sd", self.prior_request_sd, low=0.0, inclusive_low=False)
@@ -66,6 +76,7 @@ class SustainedYieldModel(BaseEstimator):
         self.k_reference_ = float(requests @ k / requests.sum()) if rows.size else 0.0
         design = np.column_stack([np.ones(k.size), k - self.k_reference_])
         prior_precision = np.diag([1.0 / self.prior_level_sd**2, 1.0 / self.prior_slope_sd**2])
+        prior_mean = np.array([0.0, float(self.prior_slope)])
 
         # The per-request variance and the line depend on each other; two passes settle it.
         request_var = float(self.prior_request_sd) ** 2
@@ -73,7 +84,8 @@ class SustainedYieldModel(BaseEstimator):
         for _ in range(2):
             precision = design.T @ (design * (requests / request_var)[:, None]) + prior_precision
             covariance = np.linalg.inv(precision)
-            coef = covariance @ (design.T @ (requests / request_var * target))
+            coef = covariance @ (design.T @ (requests / request_var * target)
+                                 + prior_precision @ prior_mean)
             residual = target - design @ coef
             dof = float(self.prior_request_dof) + max(k.size - 2, 0)
             if dof > 0:

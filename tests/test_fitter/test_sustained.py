@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import polars as pl
 import pytest
@@ -83,23 +85,23 @@ def test_a_gap_in_step_seq_breaks_a_run() -> None:
     assert sustained_rows(gapped, np.ones(12), min_run_steps=6).shape[0] == 0
 
 
+def _constant_steps(engine: str, *, k: int, accepted: list[int], n: int = 400) -> pl.DataFrame:
+    """`n` steps of one engine at K = `k`, 8 decode requests drafting, a request starting
+    every step (so a run has seen hundreds: strong evidence)."""
+    return pl.DataFrame({
+        "engine_id": [engine] * n, "step_seq": list(range(n)), "ts_ns": list(range(n)),
+        "batch_size": [9] * n, "num_decode_reqs": [8] * n, "num_prefill_reqs": [1] * n,
+        "num_prefill_tokens": [50] * n, "k": [k] * n, "k_next": [k] * n,
+        "num_drafts": [8] * n, "num_draft_tokens": [8 * k] * n,
+        "accepted_per_pos": [accepted] * n, "kv_tokens": [800] * n,
+        "step_latency_s": [0.010 + 0.001 * k] * n})
+
+
 def test_the_surface_follows_steady_runs_where_pooling_misreads() -> None:
     """Two steady runs whose per-position counts, pooled, overstate what K=4 emits:
-    at K=1 every drafter accepts; at K=4 only half accept anything, all four then. A
-    request starts every step, so each run has seen hundreds: strong evidence."""
-    n = 400
-    k1 = pl.DataFrame({
-        "engine_id": ["a"] * n, "step_seq": list(range(n)), "ts_ns": list(range(n)),
-        "batch_size": [9] * n, "num_decode_reqs": [8] * n, "num_prefill_reqs": [1] * n,
-        "num_prefill_tokens": [50] * n, "k": [1] * n, "k_next": [1] * n,
-        "num_drafts": [8] * n, "num_draft_tokens": [8] * n,
-        "accepted_per_pos": [[8]] * n, "kv_tokens": [800] * n,
-        "step_latency_s": [0.010] * n})
-    k4 = k1.with_columns(
-        engine_id=pl.lit("b"), k=pl.lit(4, dtype=pl.Int64), k_next=pl.lit(4, dtype=pl.Int64),
-        num_draft_tokens=pl.lit(32, dtype=pl.Int64),
-        accepted_per_pos=pl.lit([4, 4, 4, 4]), step_latency_s=pl.lit(0.014))
-    frame = pl.concat([k1, k4])
+    at K=1 every drafter accepts; at K=4 only half accept anything, all four then."""
+    frame = pl.concat([_constant_steps("a", k=1, accepted=[8]),
+                       _constant_steps("b", k=4, accepted=[4, 4, 4, 4])])
     fit = fit_surface(frame, max_k=4, max_batch=9, half_life_s=None)
     assert fit.sustained is not None
     surface = fit.evaluate([8], [1, 4])
@@ -107,3 +109,44 @@ def test_the_surface_follows_steady_runs_where_pooling_misreads() -> None:
     assert fit.acceptance.predict([4])[0] == pytest.approx(4.0, rel=0.02)
     assert surface.tokens_per_request[1] == pytest.approx(3.0, rel=0.05)
     assert surface.tokens_per_request[0] == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_single_steady_k_extrapolates_with_the_prior_slope() -> None:
+    """Live windows run one K: the level comes from it, the slope from the last sweep."""
+    flat = SustainedYieldModel().fit(_rows([4], [1.0], [1.2], [5000]))
+    carried = SustainedYieldModel(prior_slope=-0.08).fit(_rows([4], [1.0], [1.2], [5000]))
+    for model in (flat, carried):
+        assert model.predict([4])[0] == pytest.approx(np.log(1.0 / 1.2), abs=0.01)
+    assert flat.predict([7])[0] == pytest.approx(flat.predict([4])[0], abs=1e-3)
+    assert carried.predict([7])[0] - carried.predict([4])[0] == pytest.approx(-0.24, abs=0.01)
+
+
+def test_the_envelope_carries_the_line_and_a_refit_keeps_its_slope() -> None:
+    from fitter.derive import derive_envelope
+    from fitter.refit import decide_refit
+
+    k1 = _constant_steps("a", k=1, accepted=[8])
+    k4 = _constant_steps("b", k=4, accepted=[4, 4, 4, 4])
+    fit = fit_surface(pl.concat([k1, k4]), max_k=4, max_batch=9, half_life_s=None)
+    envelope = derive_envelope(fit, key="m|ngram|hw", version=1, max_k=4, max_batch=9,
+                               startup_k_values=range(5))
+    line = envelope.surface["sustained_yield"]
+    assert line["observed_k"] == [1, 4] and line["slope"] < -0.05
+    # A live window that ran K=4 only: the refit's line keeps the envelope's slope.
+    decision = decide_refit(_constant_steps("c", k=4, accepted=[5, 4, 4, 3]), envelope,
+                            half_life_s=None)
+    refit_line = decision.envelope.surface["sustained_yield"]
+    assert refit_line["observed_k"] == [4]
+    assert refit_line["slope"] == pytest.approx(line["slope"], abs=0.01)
+
+
+def test_the_closed_loop_reads_the_slope_from_an_envelope() -> None:
+    from controller.loop import sustained_slope
+    from schemas import DraftTable, TableEnvelope
+
+    envelope = TableEnvelope(key="m|d|h", version=1, table=DraftTable.from_vllm([[1, 8, 3]]),
+                             startup_k_values=(0, 3), max_batch=8,
+                             created_at="2026-01-01T00:00:00+00:00",
+                             surface={"sustained_yield": {"slope": -0.07}})
+    assert sustained_slope(envelope) == pytest.approx(-0.07)
+    assert sustained_slope(dataclasses.replace(envelope, surface={})) == 0.0

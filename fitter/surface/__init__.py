@@ -5,6 +5,7 @@ from fitter.surface.fit import SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface, evaluate_surface
 from fitter.surface.latency import LATENCY_COLUMNS, StepLatencyModel, decode_matrix
 from fitter.surface.share import DraftShareModel
+from fitter.surface.sustained import SustainedYieldModel
 from fitter.surface.validation import NotFittedError
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "NotFittedError",
     "StepLatencyModel",
     "SurfaceFit",
+    "SustainedYieldModel",
     "decode_matrix",
     "evaluate_surface",
     "fit_surface",

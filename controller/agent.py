@@ -10,10 +10,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from controller.validation import EngineLimits, Rejection, check_envelope
-from schemas import SignatureError, TableControl, TableEnvelope
+from controller.validation import EngineLimits, Rejection, check_envelope, check_table
+from schemas import DraftTable, SignatureError, TableControl, TableEnvelope
 
 Emit = Callable[..., None]
 """emit(event, **fields): report a decision on the status topic."""
@@ -38,6 +39,8 @@ class TableAgentState:
     """Versions rolled back; never followed again (a newer version must replace them)."""
     history: list[int] = field(default_factory=list)
     """Desired versions in the order they were chosen (for rollback)."""
+    forced: TableControl | None = None
+    """The `force` in effect until its release or expiry (over whatever version is desired)."""
 
 
 class TableAgent:
@@ -76,8 +79,17 @@ class TableAgent:
                 self.emit("rejected", control=control.action, reason=exc.reason,
                           detail=str(exc))
                 return
-        handler = {"pin": self._pin, "unpin": self._unpin, "rollback": self._rollback}
+        handler = {"pin": self._pin, "unpin": self._unpin, "rollback": self._rollback,
+                   "force": self._force, "release": self._release}
         handler[control.action](control)
+
+    def forced_table(self, now: datetime) -> DraftTable | None:
+        """The table a `force` holds the engine on at `now`; None once released or expired
+        (the caller owns the clock: the agent stays a pure fold of the log)."""
+        forced = self.state.forced
+        if forced is None or forced.expired(now):
+            return None
+        return forced.table
 
     def on_rejected_message(self, reason: str, detail: str, **fields: Any) -> None:
         """A message that could not even be parsed."""
@@ -98,6 +110,18 @@ class TableAgent:
         self.state.mode = Mode.PINNED
         self.state.pinned_version = version
         self._desire(version)
+
+    def _force(self, control: TableControl) -> None:
+        assert control.table is not None
+        try:
+            check_table(control.table, self.limits)
+        except Rejection as exc:
+            self.emit("rejected", control="force", reason=exc.reason, detail=exc.detail)
+            return
+        self.state.forced = control
+
+    def _release(self, control: TableControl) -> None:
+        self.state.forced = None
 
     def _unpin(self, control: TableControl) -> None:
         self.state.mode = Mode.FOLLOWING

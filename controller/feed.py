@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import UTC, datetime
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -20,7 +21,7 @@ from controller.exploration import ExplorationConfig, explorer_for
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.table_switch import TableSwitch
-from schemas import EnvelopeError, TableControl, TableError, parse_table_message
+from schemas import DraftTable, EnvelopeError, TableControl, TableError, parse_table_message
 from tabletune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class TableFeed:
         self._staged_at = 0.0
         self._last_desired = 0
         """Stage on a change of decision only, so a profiler's forced table is not undone."""
+        self._forced: DraftTable | None = None
+        """The table a `force` control has staged, until its release or expiry."""
         self._thread = threading.Thread(target=self._run, name="tabletune-table-feed",
                                         daemon=True)
 
@@ -108,8 +111,12 @@ class TableFeed:
             self.agent.on_envelope(message)
 
     def _sync(self) -> None:
-        """Stage the desired table if the engine runs another; confirm what it applied."""
+        """Stage the desired table if the engine runs another; confirm what it applied.
+        A `force` in effect takes precedence; once released or expired, the desired table
+        is staged again."""
         switch = self.switch
+        if self._sync_forced():
+            return
         desired = self.agent.desired()
         version = 0 if desired is None else desired.version
         if self._staged_version is not None and switch.version == self._staged_version \
@@ -125,7 +132,7 @@ class TableFeed:
         if version == self._last_desired:
             return
         self._last_desired = version
-        if version == switch.version and not switch.pending:
+        if version == switch.version and not switch.pending and not switch.forced:
             return
         table = switch.startup_table if desired is None else desired.table
         explorer = None
@@ -141,3 +148,24 @@ class TableFeed:
             return
         self._staged_version = version
         self._staged_at = time.monotonic()
+
+    def _sync_forced(self) -> bool:
+        """Stage a newly forced table, or note the end of a force; True while one holds."""
+        forced = self.agent.forced_table(datetime.now(UTC))
+        if forced is not None:
+            if forced != self._forced:
+                try:
+                    self.switch.stage(forced, self.switch.version, forced=True)
+                except TableError as exc:
+                    self.status.emit("rejected", control="force", reason="invalid_table",
+                                     detail=str(exc))
+                    return False
+                self._forced = forced
+                self._staged_version = None
+                self.status.emit("forced", table=forced.to_vllm(), version=self.switch.version)
+            return True
+        if self._forced is not None:
+            self._forced = None
+            self._last_desired = -1  # the desired table goes back in, whatever its version
+            self.status.emit("released", version=self.switch.version)
+        return False

@@ -19,7 +19,7 @@ from tabletune.settings import Settings
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("applied", "rejected", "rolled_back", "stale", "started")
+EVENTS = ("applied", "rejected", "rolled_back", "stale", "started", "forced", "released")
 
 
 class StatusPublisher:

@@ -10,6 +10,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from schemas import (
+    DraftTable,
     EnvelopeError,
     TableControl,
     TableEnvelope,
@@ -46,6 +47,16 @@ def control(key: TableKey, action: str, version: int | None = None,
     return TableControl(key=key, action=action, version=version,
                         issued_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                         issued_by=issued_by)
+
+
+def force(key: TableKey, table: DraftTable, *, hold_s: float,
+          issued_by: str = "profiler") -> TableControl:
+    """A `force` of `table` that expires `hold_s` seconds from now."""
+    now = dt.datetime.now(dt.UTC)
+    return TableControl(key=key, action="force", version=None,
+                        issued_at=now.isoformat(timespec="seconds"), issued_by=issued_by,
+                        table=table,
+                        expires_at=(now + dt.timedelta(seconds=hold_s)).isoformat())
 
 
 def read_topic(settings: Settings, topic: str, *, idle_polls: int = 3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from schemas import SignatureError, TableEnvelope, TableError, TableKey
+from schemas import DraftTable, SignatureError, TableEnvelope, TableError, TableKey
 from tabletune.vllm_compat import check_with_vllm
 
 
@@ -41,7 +41,11 @@ def check_envelope(envelope: TableEnvelope, limits: EngineLimits,
             envelope.verify(keyring)
         except SignatureError as exc:
             raise Rejection(exc.reason, str(exc)) from None
-    table = envelope.table
+    check_table(envelope.table, limits)
+
+
+def check_table(table: DraftTable, limits: EngineLimits) -> None:
+    """Raise `Rejection` unless vLLM and the engine's limits accept `table`."""
     try:
         check_with_vllm(table)
         table.validate(limits.max_k, limits.max_batch)

@@ -43,6 +43,15 @@ def register(commands: Any) -> None:
     profile.add_argument("--parquet", default=None,
                          help="openai: Parquet telemetry the server's hook produces (via "
                          "`tabletune ingest`), read after the load")
+    profile.add_argument("--bootstrap", default=None, metavar="HOST:PORT",
+                         help="openai: Kafka of the server's TableTune controller (default "
+                         "$TABLETUNE_BOOTSTRAP); with it each cell's K is forced on the server "
+                         "through the tables topic, and released at the end")
+    profile.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+                         help="openai: the server's table key (needed to force K)")
+    profile.add_argument("--k-values", default=None, metavar="0,1,3,5",
+                         help="openai: K values to force, all in the server's startup "
+                         "table (default 0..--max-k)")
     profile.add_argument("--json", action="store_true", help="print the result as JSON")
     profile.add_argument("--no-progress", action="store_true", help="no progress bar")
     profile.set_defaults(handler=run_profile)
@@ -95,7 +104,22 @@ def run_profile(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.engine.startswith("openai:"):
         options = {k: v for k, v in (("model", args.model), ("prompts", args.prompts),
-                                     ("parquet", args.parquet)) if v is not None}
+                                     ("parquet", args.parquet), ("key", args.key))
+                   if v is not None}
+        if args.k_values:
+            try:
+                options["k_values"] = tuple(int(k) for k in args.k_values.split(","))
+            except ValueError:
+                print(f"error: --k-values {args.k_values!r}: expected integers like 0,1,3",
+                      file=sys.stderr)
+                return 1
+        settings = Settings.from_env().with_bootstrap(args.bootstrap)
+        if settings.bootstrap_servers:
+            options["settings"] = settings
+    elif args.bootstrap or args.key or args.k_values:
+        print("error: --bootstrap, --key and --k-values only apply to openai:URL",
+              file=sys.stderr)
+        return 1
     try:
         sink = sink_from_url(args.sink) if args.sink else None
         with ProgressBar(args.budget_s, enabled=not args.no_progress) as bar:

@@ -1,15 +1,15 @@
 """Profile a vLLM server through its OpenAI-compatible completions API.
 
-What works: a closed-loop load driver (N client threads, each sending the next completion as
-soon as the previous one returns) at each concurrency level, then a fit of the telemetry the
-server's TableTune hook produced meanwhile (read from the Parquet dataset that `tabletune
-ingest` writes) into a first table.
-
-What does not yet: forcing K. A server's K can only change through its controller, which
-today applies fitted tables only; until the controller honours a *forced* table on the tables
-topic (and stamps `forced` on the steps), the sweep cannot choose (concurrency, K) cells and
-every step runs the server's startup table. The fit then sees one K per batch size and must
-extrapolate (as a refit does), which is why this path only spreads the budget over load levels.
+A closed-loop load driver (N client threads, each sending the next completion as soon as the
+previous one returns) runs one (concurrency, K) cell after another. With the tables topic
+reachable (`settings` with a bootstrap server) and the server's table key, each cell's K is
+forced on the server: a `force` control carrying `[[1, max_batch, K]]` that expires shortly
+after the cell, so a profiler that dies leaves nothing forced; the server's controller
+applies it at a step boundary and its telemetry marks those steps `forced`. After the last
+cell a `release` hands the server back to the table it follows. The cells are chosen like
+the twin's (`fitter.profile_plan.next_cell`, refitted from the Parquet telemetry after every
+cell when `tabletune ingest` keeps up). Without the topic only the load levels can be set and
+every step runs the server's own table; the fit must then extrapolate, as a refit does.
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from controller.table_log import control, force, publish
 from fitter.dataset import read_dataset
 from fitter.derive import DEFAULT_TOLERANCE
-from fitter.profile_plan import Cell, concurrency_levels
+from fitter.profile_plan import Cell, concurrency_levels, next_cell
 from fitter.profile_twin import CellRun, ProgressCallback
 from fitter.refit import key_from_records
+from fitter.surface.fit import SurfaceFit, fit_surface
+from schemas import DraftTable, TableKey
+from tabletune.settings import Settings
 
 GENERATED_PROMPTS = tuple(
     f"Write a detailed, step-by-step explanation of topic number {i}: how a compiler turns "
@@ -102,45 +107,95 @@ def profile_openai(url: str, *, max_k: int | None, budget_s: float,
                    tolerance: float = DEFAULT_TOLERANCE, version: int = 1,
                    on_progress: ProgressCallback | None = None, model: str | None = None,
                    prompts: str | None = None, parquet: str | None = None,
-                   max_batch: int = 256) -> Any:
-    """Drive each load level for an equal share of `budget_s` (wall time), then fit the
-    server's telemetry from `parquet`; see the module docstring for what is missing."""
+                   max_batch: int = 256, settings: Settings | None = None,
+                   key: str | None = None, k_values: Sequence[int] | None = None) -> Any:
+    """Run the cells for `budget_s` of wall time, then fit the server's telemetry from
+    `parquet`. K is forced when `settings` names a bootstrap server (see the module
+    docstring); then `key` (model|drafter|hardware) and `max_k` are required, and `k_values`
+    (default 0..max_k) must be K values the server was started with, or it refuses them."""
     from fitter.profile import ProfileError, ProfileResult, envelope_from_records, write_table
 
     if parquet is None:
         raise ProfileError("openai: the fit needs the server's telemetry: run the server "
                            "with the TableTune hook, `tabletune ingest --out DIR`, and pass "
                            "--parquet DIR")
+    forcing = settings is not None and bool(settings.bootstrap_servers)
+    if forcing and (key is None or max_k is None):
+        raise ProfileError("openai: forcing K needs the server's table key (--key "
+                           "MODEL|DRAFTER|HARDWARE) and its startup K (--max-k)")
+    table_key = TableKey.parse(key) if key is not None else None
     prompt_list = (Path(prompts).read_text().splitlines() if prompts else GENERATED_PROMPTS)
     client = ClosedLoopClient(url, model=model or served_model(url),
                               prompts=[p for p in prompt_list if p.strip()])
     loads = concurrency_levels(max_batch, concurrencies)
+    if not forcing:
+        k_values = (-1,)
+    elif k_values is None:
+        k_values = tuple(range((max_k or 0) + 1))
+    elif max_k is not None and any(not 0 <= int(k) <= max_k for k in k_values):
+        raise ProfileError(f"K values {sorted(k_values)} must lie in 0..{max_k}")
+    k_values = tuple(sorted({int(k) for k in k_values}))
+    cell_s = budget_s / max(cells, 1) if forcing else budget_s / len(loads)
     started = time.monotonic()
     began = dt.datetime.now(dt.UTC)
     runs: list[CellRun] = []
-    share = budget_s / len(loads)
-    for load in loads:
-        at = time.monotonic() - started
-        run = CellRun(Cell(load, -1), at, at, float("nan"), -1)
-        if on_progress is not None:
-            on_progress(at, run)
-        client.run(load, share)
-        runs.append(CellRun(run.cell, at, time.monotonic() - started, run.score, -1))
+    visits: Counter[Cell] = Counter()
+    fit: SurfaceFit | None = None
+    try:
+        for index in range(cells if forcing else len(loads)):
+            if forcing:
+                pick = next_cell(fit, loads, k_values, visits)
+                cell, score, chosen = pick.cell, pick.score, pick.chosen_k
+                assert settings is not None and table_key is not None
+                publish(settings, force(table_key, DraftTable.from_vllm(
+                    [[1, max_batch, cell.k]]), hold_s=cell_s + FORCE_GRACE_S))
+            else:
+                cell, score, chosen = Cell(loads[index], -1), float("nan"), -1
+            visits[cell] += 1
+            at = time.monotonic() - started
+            if on_progress is not None:
+                on_progress(at, CellRun(cell, at, at, score, chosen))
+            client.run(cell.concurrency, cell_s)
+            runs.append(CellRun(cell, at, time.monotonic() - started, score, chosen))
+            if forcing:
+                fit = _refit(parquet, began, max_k=max_k or 0, max_batch=max_batch)
+    finally:
+        if forcing:
+            assert settings is not None and table_key is not None
+            publish(settings, control(table_key, "release", issued_by="profiler"))
     if client.completed == 0:
         raise ProfileError(f"openai:{url}: no completion succeeded "
                            f"({client.errors[-1] if client.errors else 'no error recorded'})")
     time.sleep(2.0)  # let the hook's last frames reach the ingest job
     records = read_dataset(parquet, since=dt.datetime.now(dt.UTC) - began)
-    key = key_from_records(records)
+    found = key_from_records(records)
     top_k = max_k if max_k is not None else int(records["k_next"].max())  # type: ignore[arg-type]
     envelope = envelope_from_records(
-        records, key=key, max_k=top_k, max_batch=max_batch,
-        startup_k_values=tuple(range(top_k + 1)), version=version, tolerance=tolerance,
-        provenance={"source": "profile", "engine": f"openai:{url}", "forced_k": False,
-                    "completions": client.completed})
+        records, key=table_key or found, max_k=top_k, max_batch=max_batch,
+        startup_k_values=k_values if forcing else tuple(range(top_k + 1)), version=version,
+        tolerance=tolerance,
+        provenance={"source": "profile", "engine": f"openai:{url}", "forced_k": forcing,
+                    "completions": client.completed,
+                    "cells": [c.to_dict() for c in runs]})
     result = ProfileResult(envelope=envelope, cells=runs,
                            engine_time_s=time.monotonic() - started,
                            wall_s=time.monotonic() - started, records=records.height)
     if out_dir is not None:
         result.path = write_table(envelope, out_dir)
     return result
+
+
+FORCE_GRACE_S = 30.0
+"""A cell's force outlives the cell by this much, so the next cell's force (or the release)
+arrives before it expires even if a request runs long."""
+
+
+def _refit(parquet: str, since: dt.datetime, *, max_k: int, max_batch: int
+           ) -> SurfaceFit | None:
+    """The surface from the telemetry ingested so far (None while too little has arrived:
+    the planner then keeps to its seed design)."""
+    try:
+        records = read_dataset(parquet, since=dt.datetime.now(dt.UTC) - since)
+        return fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=None)
+    except (ValueError, OSError):
+        return None

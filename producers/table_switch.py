@@ -75,6 +75,7 @@ class TableSwitch:
         self.lookup = staged.lookup
         self.version = staged.version
         self.forced = staged.forced
+        self.step_forced = staged.forced  # what a lookup without an explorer reports
         self.table = staged.table
         self.explorer = staged.explorer
         self.applied.append(staged)

@@ -1,7 +1,10 @@
 """Operator commands that travel on the tables topic beside the envelopes they refer to.
 
 `pin` holds engines on one version, `unpin` releases them, `rollback` moves them back to the
-version before the active one. Keeping commands in the same keyed log as the tables means an
+version before the active one. `force` runs a given table until `release` or until its
+`expires_at` passes: the profiler's cells on a live server (telemetry marks those steps
+`forced`); the expiry means a profiler that dies mid-sweep cannot leave a fleet forced, even
+for an engine that replays the log after a restart. Keeping commands in the same keyed log as the tables means an
 engine that reads the log from the beginning folds to the same state as one that followed it
 live, with no second channel to keep consistent.
 """
@@ -11,8 +14,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
+from schemas.draft_table import DraftTable
 from schemas.envelope import (
     EnvelopeError,
     Signature,
@@ -22,7 +27,7 @@ from schemas.envelope import (
     verify_mac,
 )
 
-ACTIONS = ("pin", "unpin", "rollback")
+ACTIONS = ("pin", "unpin", "rollback", "force", "release")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +39,30 @@ class TableControl:
     issued_at: str
     issued_by: str = "operator"
     signature: Signature | None = None
+    table: DraftTable | None = None
+    """`force`: the table to run."""
+    expires_at: str | None = None
+    """`force`: ISO-8601 time after which the force no longer holds."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise EnvelopeError(f"control action {self.action!r} is not one of {ACTIONS}")
         if self.action == "pin" and (self.version is None or self.version < 1):
             raise EnvelopeError("a pin needs a version >= 1")
+        if self.action == "force":
+            if self.table is None or self.expires_at is None:
+                raise EnvelopeError("a force needs a table and expires_at")
+            try:
+                expiry = datetime.fromisoformat(self.expires_at)
+            except ValueError:
+                raise EnvelopeError(f"expires_at {self.expires_at!r} is not an ISO-8601 "
+                                    "time") from None
+            if expiry.tzinfo is None:
+                raise EnvelopeError(f"expires_at {self.expires_at!r} has no time zone")
+
+    def expired(self, now: datetime) -> bool:
+        """Whether a force has run out at `now` (never, for other actions)."""
+        return self.expires_at is not None and datetime.fromisoformat(self.expires_at) <= now
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -48,6 +71,10 @@ class TableControl:
                     "hardware": self.key.hardware},
             "version": self.version, "issued_at": self.issued_at, "issued_by": self.issued_by,
         }
+        if self.table is not None:
+            out["table"] = self.table.to_vllm()
+        if self.expires_at is not None:
+            out["expires_at"] = self.expires_at
         if self.signature is not None:
             out["signature"] = {"key_id": self.signature.key_id,
                                 "algorithm": self.signature.algorithm,
@@ -63,6 +90,8 @@ class TableControl:
             key = data["key"]
             signature = data.get("signature")
             version = data.get("version")
+            table = data.get("table")
+            expires_at = data.get("expires_at")
             return cls(
                 key=TableKey(str(key["model"]), str(key["drafter"]), str(key["hardware"])),
                 action=str(data["control"]),
@@ -72,6 +101,8 @@ class TableControl:
                 signature=None if signature is None else Signature(
                     key_id=str(signature["key_id"]), mac_hex=str(signature["mac"]),
                     algorithm=str(signature.get("algorithm", "HMAC-SHA256"))),
+                table=None if table is None else DraftTable.from_vllm(table),
+                expires_at=None if expires_at is None else str(expires_at),
             )
         except KeyError as exc:
             raise EnvelopeError(f"control field {exc.args[0]!r} is missing") from None

@@ -99,3 +99,49 @@ def test_rollback_to_startup_table(agent_and_events):
     assert agent.desired() is None
     assert events[-1] == ("rolled_back", {"version": 1, "to_version": 0,
                                           "reason": "guardrail", "loss": 0.2})
+
+
+def _force(triples, expires_at: str = "2026-11-29T12:00:00+00:00", sign: bool = True
+           ) -> TableControl:
+    ctl = TableControl(key=KEY, action="force", version=None, issued_at="now",
+                       table=DraftTable.from_vllm(triples), expires_at=expires_at)
+    return ctl.signed("k1", b"secret") if sign else ctl
+
+
+def test_force_holds_over_the_followed_version_until_release_or_expiry(agent_and_events):
+    from datetime import UTC, datetime
+
+    agent, events = agent_and_events
+    before = datetime(2026, 11, 29, 11, 0, tzinfo=UTC)
+    after = datetime(2026, 11, 29, 12, 0, 1, tzinfo=UTC)
+    agent.on_envelope(envelope(1, GOOD))
+    agent.on_control(_force([[1, 64, 3]]))
+    assert agent.forced_table(before) == DraftTable.from_vllm([[1, 64, 3]])
+    assert agent.forced_table(after) is None  # expired: a dead profiler leaves no force
+    agent.on_envelope(envelope(2, [[1, 64, 1]]))  # following goes on underneath
+    assert agent.desired().version == 2 and agent.forced_table(before) is not None
+    agent.on_control(control("release"))
+    assert agent.forced_table(before) is None and agent.desired().version == 2
+    # Bad forces are refused with a reason and change nothing.
+    agent.on_control(_force([[1, 64, 4]]))
+    agent.on_control(_force([[1, 64, 3]], sign=False))
+    reasons = [f["reason"] for e, f in events if e == "rejected"]
+    assert reasons == ["k_not_in_startup_set", "unsigned"]
+    assert agent.forced_table(before) is None
+
+
+def test_force_messages_need_a_table_and_a_zoned_expiry():
+    from schemas import EnvelopeError, parse_table_message
+
+    with pytest.raises(EnvelopeError, match="needs a table and expires_at"):
+        TableControl(key=KEY, action="force", version=None, issued_at="now")
+    with pytest.raises(EnvelopeError, match="no time zone"):
+        _force([[1, 64, 3]], expires_at="2026-11-29T12:00:00")
+    with pytest.raises(EnvelopeError, match="not an ISO-8601"):
+        _force([[1, 64, 3]], expires_at="soon")
+    sent = _force([[1, 8, 3], [9, 64, 1]])
+    assert parse_table_message(sent.to_json()) == sent
+    sent.verify(KEYRING)  # the table and expiry are under the signature
+    tampered = TableControl.from_dict({**sent.to_dict(), "table": [[1, 64, 5]]})
+    with pytest.raises(Exception, match="MAC"):
+        tampered.verify(KEYRING)

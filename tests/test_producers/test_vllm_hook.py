@@ -207,12 +207,11 @@ def test_staged_table_applies_at_next_step(engine, stock_outputs, hook_broker):
     assert scheduler.dynamic_sd_lookup[1:] == [3] * vllm_setup.MAX_NUM_SEQS
 
 
-def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path):
-    port = free_port()
+def _start_server(tiny_model_dir: str, cache_dir: str, tmp_path: Path, port: int,
+                  **environment: str) -> subprocess.Popen:
+    """`vllm serve` (the OpenAI API server) with the TableTune scheduler; healthy on return."""
     log_path = tmp_path / "server.log"
-    env = {**os.environ, **vllm_setup.engine_environment(cache_dir),
-           "TABLETUNE_SINK": f"kafka://{broker.bootstrap}",
-           "TABLETUNE_ENGINE_ID": "openai-server-engine"}
+    env = {**os.environ, **vllm_setup.engine_environment(cache_dir), **environment}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     spec = vllm_setup.llm_kwargs(tiny_model_dir)["speculative_config"]
     server = subprocess.Popen(
@@ -225,6 +224,26 @@ def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path
     )
     try:
         _wait_healthy(port, server, log_path, timeout_s=240)
+    except BaseException:
+        _stop_server(server)
+        raise
+    return server
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path):
+    port = free_port()
+    server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
+                           TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
+                           TABLETUNE_ENGINE_ID="openai-server-engine")
+    try:
         body = json.dumps({"model": "tiny", "prompt": vllm_setup.prompts(1)[0],
                            "max_tokens": 16, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
@@ -238,13 +257,59 @@ def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path
         assert records[0]["model"] == "tiny" and records[0]["drafter"] == "ngram"
         assert [r["step_seq"] for r in records] == list(range(len(records)))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop_server(server)
 
 
+def test_profile_through_the_openai_api_forces_each_cells_k(tiny_model_dir, cache_dir, broker,
+                                                             tmp_path, unique_name):
+    """`tabletune profile --engine openai:URL --bootstrap ...`: every cell's K is forced on
+    the live server through the tables topic, its steps say so, and the end releases it."""
+    import threading
+
+    from controller.table_log import read_topic
+    from fitter.dataset import read_dataset
+    from fitter.ingest import IngestConfig, Ingestor
+    from fitter.profile import profile
+    from tabletune.settings import Settings
+
+    port, key = free_port(), "tiny|ngram|profile-cpu"
+    settings = Settings(bootstrap_servers=(broker.bootstrap,))
+    server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
+                           TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
+                           TABLETUNE_BOOTSTRAP=broker.bootstrap,
+                           TABLETUNE_ENGINE_ID="openai-profile-engine",
+                           TABLETUNE_HARDWARE="profile-cpu", TABLETUNE_TABLE_KEY=key,
+                           TABLETUNE_EXPLORE_SHARE="0")
+    ingest = Ingestor(settings, IngestConfig(out_dir=tmp_path / "parquet", group_id=unique_name,
+                                             window_s=1.0))
+    thread = threading.Thread(target=ingest.run, daemon=True)
+    thread.start()
+    try:
+        started = time.time()
+        result = profile(f"openai:http://127.0.0.1:{port}", max_k=4, budget_s=30.0, cells=3,
+                         concurrencies=(2, 8), out_dir=tmp_path / "out", model="tiny",
+                         parquet=str(tmp_path / "parquet"), settings=settings, key=key,
+                         k_values=(1, 2, 4), max_batch=16)
+    finally:
+        _stop_server(server)
+        ingest.stop()
+        thread.join(timeout=30)
+    assert result.envelope.provenance["forced_k"] is True
+    assert (tmp_path / "out" / "table.json").exists()
+    cells = [(c.cell.concurrency, c.cell.k) for c in result.cells]
+    assert len(cells) == 3 and {k for _, k in cells} <= {1, 2, 4} and len(set(cells)) == 3
+    records = read_dataset(tmp_path / "parquet").filter(
+        read_dataset(tmp_path / "parquet")["engine_id"] == "openai-profile-engine")
+    ts_s = records["ts_ns"].to_numpy() * 1e-9
+    for run in result.cells:  # inside each cell (its first second aside), its K, forced
+        inside = (ts_s >= started + run.start_s + 1.5) & (ts_s < started + run.end_s - 0.5)
+        steps = records.filter(inside)
+        assert steps.height > 0
+        assert steps["forced"].all() and set(steps["k_next"].unique()) == {run.cell.k}
+    events = [m.value for m in read_topic(settings, settings.topics.status)]
+    mine = [json.loads(v) for v in events if b"openai-profile-engine" in v]
+    assert sum(e["event"] == "forced" for e in mine) == 3
+    assert mine[-1]["event"] == "released"
 def _wait_healthy(port: int, server: subprocess.Popen, log_path: Path,
                   timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
@@ -349,3 +414,54 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     assert explored and len(explored) <= 0.3 * len(new)
     assert all(r["k_next"] != table.k_for(r["batch_size"]) for r in explored)
     assert {r["k_next"] for r in explored} <= {1, 2, 4}
+
+
+def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothing(
+        engine, hook_broker, stock_outputs):
+    """The profiler's cells on a live server: `force` runs a table (steps marked forced)
+    over whatever version the engine follows; `release` gives the followed table back."""
+    import datetime as dt
+
+    from controller.table_log import control, force, publish
+    from schemas import TableKey
+    from tabletune.settings import Settings
+
+    llm, scheduler = engine
+    feed, switch, recorder = scheduler.table_feed, scheduler.table_switch, scheduler.telemetry
+    settings = Settings(bootstrap_servers=(hook_broker.broker.bootstrap,),
+                        signing_key_id="k1", signing_secret=b"engine-secret")
+    key = TableKey.parse(TABLE_KEY)
+    following = switch.version
+    # Refused: K outside the startup set; ignored: a force that has already expired.
+    publish(settings, force(key, DraftTable.from_vllm([[1, 16, 3]]), hold_s=600))
+    _wait_for_event(feed, lambda e: e["event"] == "rejected" and e.get("control") == "force"
+                    and e["reason"] == "k_not_in_startup_set")
+    stale = force(key, DraftTable.from_vllm([[1, 16, 1]]), hold_s=600)
+    stale = type(stale).from_dict({**stale.to_dict(), "expires_at": (
+        dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()})
+    publish(settings, stale)
+    time.sleep(1.0)
+    assert not switch.forced and not switch.pending
+
+    publish(settings, force(key, DraftTable.from_vllm([[1, 16, 1]]), hold_s=600))
+    _wait_for_event(feed, lambda e: e["event"] == "forced" and e["table"] == [[1, 16, 1]])
+    recorder.flush(timeout_s=10)
+    first_seq = recorder.counters()["records_total"]
+    assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[4])) == stock_outputs[4]
+    assert recorder.flush(timeout_s=10)
+    forced_seq = recorder.counters()["records_total"]
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=forced_seq).to_pylist()
+    steps = [r for r in records if first_seq <= r["step_seq"] < forced_seq]
+    assert steps and all(r["forced"] and r["k_next"] == 1 for r in steps)
+    assert all(r["table_version"] == following for r in steps)
+
+    publish(settings, control(key, "release"))
+    _wait_for_event(feed, lambda e: e["event"] == "released")
+    assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[5])) == stock_outputs[5]
+    assert recorder.flush(timeout_s=10)
+    records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                             min_records=1).to_pylist()
+    after = [r for r in records if r["step_seq"] >= forced_seq + 1]
+    assert after and not switch.forced and switch.version == following
+    assert any(not r["forced"] and r["k_next"] != 1 for r in after)

@@ -211,7 +211,10 @@ def _start_server(tiny_model_dir: str, cache_dir: str, tmp_path: Path, port: int
                   **environment: str) -> subprocess.Popen:
     """`vllm serve` (the OpenAI API server) with the TableTune scheduler; healthy on return."""
     log_path = tmp_path / "server.log"
-    env = {**os.environ, **vllm_setup.engine_environment(cache_dir), **environment}
+    # Only the TABLETUNE_* settings given here: the in-process engine fixture of this module
+    # keeps its own (signing keys, another broker) in os.environ while it lives.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TABLETUNE_")}
+    env = {**inherited, **vllm_setup.engine_environment(cache_dir), **environment}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     spec = vllm_setup.llm_kwargs(tiny_model_dir)["speculative_config"]
     server = subprocess.Popen(

@@ -80,12 +80,6 @@ class _Sweep:
     index: int = -1
 
 
-def sustained_slope(envelope: TableEnvelope) -> float:
-    """The sustained-yield slope an envelope's fit measured; 0 when it has none."""
-    line = envelope.surface.get("sustained_yield") or {}
-    return float(line.get("slope", 0.0))
-
-
 class ClosedLoop:
     def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
                  fit: Fit, config: LoopConfig | None = None,
@@ -230,7 +224,7 @@ class ClosedLoop:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return
         if reason in ("profile", "stale"):
-            self._sweep_slope = sustained_slope(envelope)
+            self._sweep_slope = envelope.sustained_slope
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain = predicted_gain(envelope, current, batch[-2000:])

@@ -145,8 +145,7 @@ def decide_refit(
     if current is not None and "sustained_prior_slope" not in fit_options:
         # Live windows mostly run one K per batch size: keep the slope the current table's
         # fit measured (see fitter.surface.sustained).
-        line = current.surface.get("sustained_yield") or {}
-        fit_options["sustained_prior_slope"] = float(line.get("slope", 0.0))
+        fit_options["sustained_prior_slope"] = current.sustained_slope
     fit = fit_surface(frame, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
                       now_ns=now_ns, **fit_options)
     base = max(newest_version, current.version if current is not None else 0)

@@ -4,9 +4,9 @@
 version before the active one. `force` runs a given table until `release` or until its
 `expires_at` passes: the profiler's cells on a live server (telemetry marks those steps
 `forced`); the expiry means a profiler that dies mid-sweep cannot leave a fleet forced, even
-for an engine that replays the log after a restart. Keeping commands in the same keyed log as the tables means an
-engine that reads the log from the beginning folds to the same state as one that followed it
-live, with no second channel to keep consistent.
+for an engine that replays the log after a restart. Keeping commands in the same keyed log
+as the tables means an engine that reads the log from the beginning folds to the same state
+as one that followed it live, with no second channel to keep consistent.
 """
 
 from __future__ import annotations

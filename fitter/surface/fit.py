@@ -24,7 +24,6 @@ from fitter.surface.latency import StepLatencyModel
 from fitter.surface.share import DraftShareModel
 from fitter.surface.sustained import SustainedYieldModel
 from fitter.surface.telemetry import (
-    MIN_SUSTAINED_STEPS,
     acceptance_rows,
     context_by_batch,
     draft_share_rows,
@@ -145,7 +144,7 @@ def _fit_sustained(frame: Any, weights: NDArray[np.float64], acceptance: Accepta
                    prior_slope: float) -> SustainedYieldModel | None:
     """The sustained-yield line against this fit's pooled prediction; None without steady
     runs at any K the acceptance model covers."""
-    rows = sustained_rows(frame, weights, min_run_steps=MIN_SUSTAINED_STEPS)
+    rows = sustained_rows(frame, weights)
     rows = rows[rows[:, 0] <= acceptance.n_positions_]
     if rows.shape[0] == 0:
         return None

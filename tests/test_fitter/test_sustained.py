@@ -140,13 +140,12 @@ def test_the_envelope_carries_the_line_and_a_refit_keeps_its_slope() -> None:
     assert refit_line["slope"] == pytest.approx(line["slope"], abs=0.01)
 
 
-def test_the_closed_loop_reads_the_slope_from_an_envelope() -> None:
-    from controller.loop import sustained_slope
+def test_an_envelope_says_its_slope() -> None:
     from schemas import DraftTable, TableEnvelope
 
     envelope = TableEnvelope(key="m|d|h", version=1, table=DraftTable.from_vllm([[1, 8, 3]]),
                              startup_k_values=(0, 3), max_batch=8,
                              created_at="2026-01-01T00:00:00+00:00",
                              surface={"sustained_yield": {"slope": -0.07}})
-    assert sustained_slope(envelope) == pytest.approx(-0.07)
-    assert sustained_slope(dataclasses.replace(envelope, surface={})) == 0.0
+    assert envelope.sustained_slope == pytest.approx(-0.07)
+    assert dataclasses.replace(envelope, surface={}).sustained_slope == 0.0

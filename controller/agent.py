@@ -53,7 +53,8 @@ class TableAgent:
         self.state = TableAgentState()
 
     # ---- inputs ---------------------------------------------------------------------------
-    def on_envelope(self, envelope: TableEnvelope) -> None:
+    def on_envelope(self, envelope: TableEnvelope) -> bool:
+        """Validate and keep `envelope`; False (and a `rejected` event) when refused."""
         state = self.state
         try:
             check_envelope(envelope, self.limits, self.keyring)
@@ -63,11 +64,12 @@ class TableAgent:
         except Rejection as exc:
             self.emit("rejected", version=envelope.version, reason=exc.reason,
                       detail=exc.detail)
-            return
+            return False
         state.accepted[envelope.version] = envelope
         state.newest_version = envelope.version
         if state.mode is Mode.FOLLOWING:
             self._desire(envelope.version)
+        return True
 
     def on_control(self, control: TableControl) -> None:
         if control.key != self.limits.key:

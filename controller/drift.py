@@ -104,6 +104,9 @@ class DriftDetector:
         self._ref_lat = 0.0
         self._ref_acc = 0.0
         self._ref_stats = np.zeros(_STATS)
+        self._ref_chunks: list[NDArray[np.float64]] = []
+        self._ref_se = (0.0, 0.0)
+        """Standard errors of the reference's latency and acceptance means."""
 
     def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
                      fitted_batch_range: tuple[int, int] | None = None) -> None:
@@ -112,6 +115,8 @@ class DriftDetector:
         self._window.clear()
         self._since_s = at_s
         self._ref_stats = np.zeros(_STATS)
+        self._ref_chunks = []
+        self._ref_se = (0.0, 0.0)
         self._ref_lat = self._ref_acc = 0.0
         self._fitted_range = fitted_batch_range
         if not surface or "latency_s" not in surface:
@@ -143,8 +148,11 @@ class DriftDetector:
         stats = self._stats(steps)
         if self.state is DriftState.REFERENCE:
             self._ref_stats += stats
+            self._ref_chunks.append(stats)
             if now_s - self._since_s >= cfg.warmup_s + cfg.reference_s:
                 self._ref_lat, self._ref_acc = self._means(self._ref_stats)
+                chunks = np.array(self._ref_chunks)
+                self._ref_se = (self._chunk_se(chunks, 0), self._chunk_se(chunks, 3))
                 self.state = DriftState.WATCHING
             return None
         self._window.append((now_s, stats))
@@ -193,10 +201,19 @@ class DriftDetector:
         acc = math.log(stats[4] / stats[5]) if stats[4] > 0 and stats[5] > 0 else 0.0
         return float(lat), float(acc)
 
+    def _chunk_se(self, chunks: NDArray[np.float64], column: int) -> float:
+        """Standard error of a mean from its chunks' means (0 with fewer than 4 chunks)."""
+        usable = chunks[chunks[:, column] > 0] if chunks.size else chunks
+        if len(usable) < 4:
+            return 0.0
+        per_chunk = np.array([self._means(chunk)[0 if column == 0 else 1] for chunk in usable])
+        return float(np.std(per_chunk, ddof=1)) / math.sqrt(len(usable))
+
     def _check(self) -> DriftReport | None:
         """Standard errors come from chunk means (batch means), not steps: consecutive
         steps share their requests, so per-step residuals are far from independent and a
-        per-step z would call a few unusual requests a drift."""
+        per-step z would call a few unusual requests a drift. The reference is such a mean
+        too, over a handful of requests at a small batch: its error counts in the z."""
         cfg = self.config
         chunks = np.array([entry[1] for entry in self._window])
         stats = chunks.sum(axis=0)
@@ -205,15 +222,14 @@ class DriftDetector:
             return DriftReport("coverage", stats[6] / steps, math.inf, steps, self.version)
         lat, acc = self._means(stats)
         candidates = []
-        for signal, column, value, ref, threshold in (
-                ("latency", 0, lat, self._ref_lat, cfg.latency_threshold),
-                ("acceptance", 3, acc, self._ref_acc, cfg.acceptance_threshold)):
+        for signal, column, value, ref, ref_se, threshold in (
+                ("latency", 0, lat, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
+                ("acceptance", 3, acc, self._ref_acc, self._ref_se[1],
+                 cfg.acceptance_threshold)):
             usable = chunks[chunks[:, column] > 0]
             if stats[column] < cfg.min_steps or len(usable) < 4:
                 continue
-            per_chunk = np.array([self._means(chunk)[0 if column == 0 else 1]
-                                  for chunk in usable])
-            se = float(np.std(per_chunk, ddof=1)) / math.sqrt(len(usable))
+            se = math.hypot(self._chunk_se(chunks, column), ref_se)
             shift = value - ref
             candidates.append((signal, shift, abs(shift) / se if se > 0 else math.inf,
                                threshold))

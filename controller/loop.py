@@ -45,7 +45,8 @@ class LoopState(enum.Enum):
     LIVE = "live"
     """Following fitted tables; refits, exploration, guardrail and drift detection on."""
     REPROFILING = "reprofiling"
-    """Drift was detected: a short forced sweep, then a refit on the new regime only."""
+    """Drift was detected: a short forced sweep, long runs at the K it points to and its
+    neighbours, then a refit on the new regime only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,17 @@ class LoopConfig:
     profile_rounds: int = 2
     """... this many times over (rounds spread each K over time and load)."""
     reprofile_on_stale: bool = True
+    reprofile_settle_s: float = 30.0
+    """A drift shows before the new regime has settled (the old traffic's long requests
+    still run): the re-profile waits this long, on the current table, so that it measures
+    the new regime rather than the mix of both."""
     reprofile_block_s: float = 2.0
+    confirm_block_s: float = 6.0
+    """After the re-profile's short sweep, the K its fit picks at the load of the moment and
+    the K on each side run this long each, twice over in mirrored order (0 = skip). A short
+    block shows each K on the batch the K before it left behind; which requests a closed
+    loop holds (and so what a K really emits, and at what context) settles only over a
+    request's lifetime, and between neighbouring K that decides the choice."""
     reprofile_baseline_s: float = 8.0
     """After a re-profile the stale table runs again this long, unforced, as the
     guardrail's comparable baseline for the refit that follows."""
@@ -78,6 +89,10 @@ class _Sweep:
     block_s: list[float]
     started_s: float
     index: int = -1
+    confirm: bool = False
+    """When the blocks run out: fit, then append the confirmation runs and the baseline."""
+    fit_since_s: float | None = None
+    """Fits take the records from here on (default: the sweep's start)."""
 
 
 class ClosedLoop:
@@ -122,8 +137,17 @@ class ClosedLoop:
         self._note(now_s, "profile", blocks=len(blocks))
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True) -> None:
-        """An envelope arrives from the tables topic (or the loop's own fit)."""
-        self.agent.on_envelope(envelope)
+        """An envelope arrives from the tables topic (or the loop's own fit).
+
+        One from outside ends a re-profile in progress: the operator's (or a fleet
+        fitter's) table runs now, under the guardrail, rather than after the sweep's refit
+        replaces it unwatched."""
+        accepted = self.agent.on_envelope(envelope)
+        if accepted and self.state is LoopState.REPROFILING:
+            self._sweep = None
+            self.state = LoopState.LIVE
+            self._next_refit_s = now_s + self.config.refit_interval_s
+            self._note(now_s, "reprofile_abandoned", version=envelope.version)
         self._sync(now_s, guard=guard)
 
     def tick(self, now_s: float, records: pa.Table | None) -> None:
@@ -165,13 +189,18 @@ class ClosedLoop:
         self._note(now_s, "stale", **report.fields())
         self.guardrail.reset_baseline()
         self._data_since_s = now_s
-        if self.config.reprofile_on_stale and report.signal != "latency":
-            # acceptance beyond the table's K is censored and a new load range unobserved:
-            # only a sweep shows them; latency drift is visible at the table's own K
+        if self.config.reprofile_on_stale:
+            # acceptance beyond the table's K is censored, a new load range unobserved and a
+            # new context's cost at other K unmeasured: only a sweep shows them
             cfg = self.config
-            blocks: list[int | None] = [*self.k_values, None]
-            lengths = [cfg.reprofile_block_s] * len(self.k_values) + [cfg.reprofile_baseline_s]
-            self._sweep = _Sweep(blocks, lengths, now_s)
+            blocks: list[int | None] = [None, *self.k_values]
+            lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(self.k_values)
+            if cfg.confirm_block_s <= 0:
+                blocks.append(None)
+                lengths.append(cfg.reprofile_baseline_s)
+            self._sweep = _Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
+                                 fit_since_s=now_s + cfg.reprofile_settle_s)
+            self._data_since_s = now_s + cfg.reprofile_settle_s
             self.state = LoopState.REPROFILING
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
@@ -183,9 +212,12 @@ class ClosedLoop:
         elapsed = now_s - sweep.started_s
         ends = np.cumsum(sweep.block_s)
         index = int(np.searchsorted(ends, elapsed, side="right"))
+        if index >= len(sweep.blocks) and sweep.confirm:
+            self._plan_confirmation(sweep, now_s)
+            index = int(np.searchsorted(np.cumsum(sweep.block_s), elapsed, side="right"))
         if index >= len(sweep.blocks):
             first = self.state is LoopState.PROFILING
-            self._anchor = self._window(now_s, since_s=sweep.started_s)
+            self._anchor = self._window(now_s, since_s=sweep.fit_since_s or sweep.started_s)
             self._sweep = None
             self.state = LoopState.LIVE
             self._refit(now_s, reason="profile" if first else "stale", force=True)
@@ -195,12 +227,51 @@ class ClosedLoop:
         sweep.index = index
         k = sweep.blocks[index]
         if k is None:
+            # the guardrail's baseline for the refit to come is the block right before it,
+            # not the settling stretch or what ran before the sweep
+            self.guardrail.reset_baseline()
             desired = self.agent.desired()
             table = self.switch.startup_table if desired is None else desired.table
             self.switch.stage(table, self._active_version)
         else:
             self.switch.stage(DraftTable.from_vllm([[1, self.limits.max_batch, k]]),
                               self._active_version, forced=True)
+
+    def _plan_confirmation(self, sweep: _Sweep, now_s: float) -> None:
+        """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
+        a, b, c, c, b, a, so a trend over time cancels between them), then the baseline."""
+        cfg = self.config
+        sweep.confirm = False
+        chosen = self._sweep_choice(now_s, since_s=sweep.fit_since_s or sweep.started_s)
+        ks: list[int | None] = []
+        if chosen is not None:
+            at = self.k_values.index(chosen)
+            ks = list(self.k_values[max(at - 1, 0):at + 2])
+            ks += ks[::-1]
+        # the baseline starts after one more block on the current table: the batch the last
+        # forced K left behind takes a while to become the table's own again
+        sweep.blocks += [*ks, None, None]
+        sweep.block_s += [cfg.confirm_block_s] * (len(ks) + 1) + [cfg.reprofile_baseline_s]
+        self._note(now_s, "confirm", k_values=ks[:len(ks) // 2])
+
+    def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
+        """The K a fit of the sweep's records picks at the median batch size it ran."""
+        records = self._window(now_s, since_s=since_s)
+        if records is None or records.num_rows < 200:
+            return None
+        try:
+            envelope = self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
+                                max_batch=self.limits.max_batch,
+                                startup_k_values=self.k_values, version=1, half_life_s=None,
+                                now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
+                                provenance={"reason": "confirm"})
+        except (ValueError, np.linalg.LinAlgError) as exc:
+            self._note(now_s, "fit_failed", reason="confirm", error=str(exc))
+            return None
+        batch = records.column("batch_size").to_numpy()
+        median = int(np.clip(np.median(batch), 1, self.limits.max_batch))
+        k = envelope.table.k_for(median)
+        return k if k in self.k_values else None
 
     # ---- fitting --------------------------------------------------------------------------
     def _refit(self, now_s: float, *, reason: str, force: bool) -> None:
@@ -225,6 +296,7 @@ class ClosedLoop:
             return
         if reason in ("profile", "stale"):
             self._sweep_slope = envelope.sustained_slope
+
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain = predicted_gain(envelope, current, batch[-2000:])

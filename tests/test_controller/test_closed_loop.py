@@ -4,6 +4,7 @@ tabletune beats the table it ran before the drift, held fixed."""
 
 from __future__ import annotations
 
+from fitter.profile_twin import MemorySink
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
 from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
@@ -52,3 +53,46 @@ def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
     fixed = run_scenario(scenario, StaticTable(stale, name="stale"))
     tt_rate, stale_rate = rate(tt, 120.0, 170.0), rate(fixed, 120.0, 170.0)
     assert tt_rate > 1.02 * stale_rate, (tt_rate, stale_rate, policy.loop.decisions)
+
+
+def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
+    """After `stale`: every K for a short block, then long mirrored runs at the K the short
+    sweep points to and its neighbours, then the refit; the forced steps in the telemetry
+    follow that plan."""
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
+        PhaseConfig(name="c8", duration_s=70, concurrency=8, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c64", duration_s=160, concurrency=64, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy = TabletunePolicy()
+    sink = MemorySink()
+    run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    stale = next(d for d in decisions if d["what"] == "stale" and d["t_s"] > 70.0)
+    confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > stale["t_s"])
+    refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
+    assert refit["reason"] == "stale"
+    k_values = confirm["k_values"]
+    assert len(k_values) >= 2 and k_values == list(range(k_values[0], k_values[-1] + 1))
+
+    config = policy.loop.config
+    records = sink.table()
+    ts = records.column("ts_ns").to_numpy() / 1e9
+    during = (ts >= stale["t_s"]) & (ts < refit["t_s"])
+    forced = records.column("forced").to_numpy()[during]
+    k_next = records.column("k_next").to_numpy()[during]
+    at = ts[during]
+    runs: list[tuple[int, float]] = []  # (K, seconds) of each forced stretch, in order
+    start = 0
+    for i in range(1, forced.size + 1):
+        if i == forced.size or forced[i] != forced[start] or k_next[i] != k_next[start]:
+            if forced[start] and i - start >= 5:  # not a lone exploration probe
+                runs.append((int(k_next[start]), float(at[i - 1] - at[start])))
+            start = i
+    planned = [*range(8), *k_values, *k_values[-2::-1]]
+    assert [k for k, _ in runs] == planned, runs
+    for k, seconds in runs[8:]:
+        expected = config.confirm_block_s * (2 if k == k_values[-1] else 1)
+        assert abs(seconds - expected) < 1.0, runs

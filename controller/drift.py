@@ -59,6 +59,10 @@ class DriftConfig:
     coverage_factor: float = 2.0
     """'Outside' = batch size above factor x the largest fitted one, or below 1/factor x the
     smallest."""
+    misfit_factor: float = 2.0
+    """A table whose own reference misses its prediction by this many thresholds is stale
+    from the start (see `DriftDetector._misfit_report`); below that the miss is the fit's
+    bias, learned as the reference."""
     z: float = 5.0
     min_steps: int = 200
     renotify_s: float = 60.0
@@ -154,6 +158,11 @@ class DriftDetector:
                 chunks = np.array(self._ref_chunks)
                 self._ref_se = (self._chunk_se(chunks, 0), self._chunk_se(chunks, 3))
                 self.state = DriftState.WATCHING
+                report = self._misfit_report()
+                if report is not None:
+                    self.state = DriftState.STALE
+                    self._reported_s = now_s
+                return report
             return None
         self._window.append((now_s, stats))
         while self._window and self._window[0][0] < now_s - cfg.window_s:
@@ -200,6 +209,22 @@ class DriftDetector:
         lat = stats[1] / stats[0] if stats[0] else 0.0
         acc = math.log(stats[4] / stats[5]) if stats[4] > 0 and stats[5] > 0 else 0.0
         return float(lat), float(acc)
+
+    def _misfit_report(self) -> DriftReport | None:
+        """A table that misses its own prediction by more than a drift would, from its first
+        steps on, is stale already: it was fitted on another regime (a refit that caught
+        only the first seconds of a change), and learning that miss as the reference would
+        hide it for good."""
+        cfg = self.config
+        for signal, column, value, se, threshold in (
+                ("latency", 0, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
+                ("acceptance", 3, self._ref_acc, self._ref_se[1], cfg.acceptance_threshold)):
+            if (self._ref_stats[column] >= cfg.min_steps
+                    and abs(value) >= math.log1p(cfg.misfit_factor * threshold)
+                    and se > 0 and abs(value) / se >= cfg.z):
+                return DriftReport(signal, math.expm1(value), abs(value) / se,
+                                   int(self._ref_stats[7]), self.version)
+        return None
 
     def _chunk_se(self, chunks: NDArray[np.float64], column: int) -> float:
         """Standard error of a mean from its chunks' means (0 with fewer than 4 chunks)."""

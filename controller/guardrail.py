@@ -11,6 +11,12 @@ with steps after it. Per bucket, goodput is a ratio estimator (tokens / seconds)
 variance comes from the delta method; buckets are combined in log space, weighted by the new
 table's time share, so the verdict is about the traffic the engine actually serves.
 
+Time blocks, not steps, set the error. Consecutive steps serve the same requests, and which
+requests a closed loop holds drifts over a request's lifetime (seconds, tens of seconds for
+long chats): 8 s of n-gram chat vary by 3% while their steps look like a 0.3% estimate.
+So the log goodput of `block_s` blocks is compared around each window's mean, pooled over
+both windows, and a window's error is the larger of that and the per-step delta method.
+
 Roll back only when the *upper* confidence bound of new/old goodput is below 1 - threshold:
 confident that the new table is worse by more than the threshold, so a table equal to the old
 one is never rolled back by noise, however long it is watched.
@@ -57,8 +63,10 @@ class GuardrailConfig:
     """Roll back when the new table is worse than this fraction of the old one's goodput."""
     z: float = 3.0
     """One-sided confidence multiplier (3.0: 0.13% false alarms per look, before looks)."""
-    baseline_window_s: float = 60.0
-    """The old table's steps this long before the swap form the baseline."""
+    baseline_window_s: float = 20.0
+    """The old table's steps this long before the swap form the baseline: short, because
+    goodput trends after a load or workload change (contexts grow for minutes), and the
+    longer the baseline the more of that trend reads as the new table's fault."""
     warmup_s: float = 10.0
     """Steps right after the swap are skipped: a closed loop's batch holds the requests the
     old table served slowly until they finish, and at the new table's K it first shows that
@@ -67,10 +75,24 @@ class GuardrailConfig:
     """A bucket counts only with this many steps in both windows."""
     max_watch_s: float = 300.0
     """Deadline: after this long without a confident verdict the new table stays."""
+    no_comparison_s: float = 30.0
+    """Sooner deadline when the new table serves batch sizes the old one never ran in its
+    baseline (a load jump): nothing will ever compare, and a watch holds back refits."""
+    block_s: float = 5.0
+    """Time blocks whose goodput spread sets the error of a window (see the module doc)."""
+    prior_variance_s: float = 0.005
+    """Prior of that spread, as the variance of log goodput times seconds (0.005: 12 s of
+    n-gram code edits vary by 2%, 5 s by 3%), worth `prior_dof` blocks: right after a
+    swap a window has a block or two, too few to say how much goodput wanders."""
+    prior_dof: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
+        if self.block_s <= 0 or self.prior_variance_s < 0 or self.prior_dof < 0:
+            raise ValueError(f"block_s={self.block_s}, prior_variance_s="
+                             f"{self.prior_variance_s}, prior_dof={self.prior_dof}: need > 0, "
+                             f">= 0, >= 0")
         if self.z <= 0 or self.min_steps_per_bucket < 2:
             raise ValueError(f"z={self.z} must be > 0 and min_steps_per_bucket="
                              f"{self.min_steps_per_bucket} >= 2")
@@ -98,13 +120,58 @@ def ratio_log_estimate(sums: NDArray[np.float64]) -> tuple[NDArray[np.float64],
         return np.log(rate), var_rate / (rate * rate)
 
 
+Blocks = dict[tuple[int, int], NDArray[np.float64]]
+"""(bucket, block index) -> [seconds, tokens] of the steps in that time block."""
+
+
+def _block_sums(steps: StepColumns, block_s: float) -> Blocks:
+    bucket = np.minimum(batch_bucket(steps.batch_size), N_BUCKETS - 1)
+    block = np.floor(steps.t_s / block_s).astype(np.int64)
+    keys, inverse = np.unique(np.column_stack([bucket, block]), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    seconds = np.bincount(inverse, weights=steps.latency_s, minlength=len(keys))
+    tokens = np.bincount(inverse, weights=steps.tokens, minlength=len(keys))
+    return {(int(b), int(i)): np.array([seconds[j], tokens[j]])
+            for j, (b, i) in enumerate(keys)}
+
+
+def _add_blocks(into: Blocks, more: Blocks) -> None:
+    for key, value in more.items():
+        if key in into:
+            into[key] = into[key] + value
+        else:
+            into[key] = value.copy()
+
+
+def block_log_variance(windows: list[Blocks], bucket: int, *, prior: float = 0.0,
+                       prior_dof: float = 0.0) -> float:
+    """Variance of log goodput per second of steps in `bucket`: a block of x seconds has
+    variance tau^2 / x around its window's mean; tau^2 pooled over the windows' blocks
+    with `prior` worth `prior_dof` blocks (0.0 without either)."""
+    squares, blocks, fitted = 0.0, 0, 0
+    for window in windows:
+        rows = np.array([value for (b, _), value in window.items() if b == bucket
+                         and value[0] > 0 and value[1] > 0])
+        if rows.size == 0:
+            continue
+        seconds, tokens = rows[:, 0], rows[:, 1]
+        center = np.log(tokens.sum() / seconds.sum())
+        squares += float(seconds @ (np.log(tokens / seconds) - center) ** 2)
+        blocks += rows.shape[0]
+        fitted += 1
+    dof = prior_dof + max(blocks - fitted, 0)
+    return (prior_dof * prior + squares) / dof if dof > 0 else 0.0
+
+
 @dataclass
 class _Watch:
     new_version: int
     old_version: int
     at_s: float
     baseline: NDArray[np.float64]
+    baseline_blocks: Blocks
     candidate: NDArray[np.float64] = field(default_factory=lambda: np.zeros((N_BUCKETS, 6)))
+    candidate_blocks: Blocks = field(default_factory=dict)
 
 
 class Guardrail:
@@ -113,8 +180,9 @@ class Guardrail:
     def __init__(self, config: GuardrailConfig | None = None) -> None:
         self.config = config or GuardrailConfig()
         self.state = GuardState.IDLE
-        self._recent: deque[tuple[float, int, NDArray[np.float64]]] = deque()
-        """(chunk end time, version, per-bucket sums) of table steps, newest last."""
+        self._recent: deque[tuple[float, int, NDArray[np.float64], Blocks]] = deque()
+        """(chunk end time, version, per-bucket sums, block sums) of table steps, newest
+        last."""
         self._watch: _Watch | None = None
         self.last_evidence: dict[str, Any] = {}
 
@@ -132,8 +200,10 @@ class Guardrail:
             if watch is not None and version == watch.new_version:
                 part = part.select(part.t_s >= watch.at_s + self.config.warmup_s)
                 watch.candidate += self._sums(part)
+                _add_blocks(watch.candidate_blocks, _block_sums(part, self.config.block_s))
             # every table's recent steps stay: the table under watch is the next baseline
-            self._recent.append((end_s, int(version), self._sums(part)))
+            self._recent.append((end_s, int(version), self._sums(part),
+                                 _block_sums(part, self.config.block_s)))
         horizon = end_s - self.config.baseline_window_s
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()
@@ -141,11 +211,18 @@ class Guardrail:
     def arm(self, new_version: int, old_version: int, at_s: float) -> None:
         """A swap from `old_version` to `new_version` happened at `at_s`: start watching."""
         baseline = np.zeros((N_BUCKETS, 6))
-        for end_s, version, sums in self._recent:
+        blocks: Blocks = {}
+        for end_s, version, sums, chunk_blocks in self._recent:
             if version == old_version and end_s >= at_s - self.config.baseline_window_s:
                 baseline += sums
-        self._watch = _Watch(new_version, old_version, at_s, baseline)
+                _add_blocks(blocks, chunk_blocks)
+        self._watch = _Watch(new_version, old_version, at_s, baseline, blocks)
         self.state = GuardState.WATCHING
+
+    @property
+    def watched_s(self) -> float | None:
+        """When the swap under watch happened (None when idle)."""
+        return None if self._watch is None else self._watch.at_s
 
     def disarm(self) -> None:
         self._watch = None
@@ -156,6 +233,7 @@ class Guardrail:
         self._recent.clear()
         if self._watch is not None:
             self._watch.baseline[:] = 0.0
+            self._watch.baseline_blocks.clear()
 
     # ---- output ---------------------------------------------------------------------------
     def verdict(self, now_s: float) -> Verdict:
@@ -170,6 +248,12 @@ class Guardrail:
         if enough.any():
             log_new, var_new = ratio_log_estimate(watch.candidate[enough])
             log_old, var_old = ratio_log_estimate(watch.baseline[enough])
+            for i, bucket in enumerate(np.flatnonzero(enough)):
+                per_second = block_log_variance(
+                    [watch.baseline_blocks, watch.candidate_blocks], int(bucket),
+                    prior=cfg.prior_variance_s, prior_dof=cfg.prior_dof)
+                var_new[i] = max(var_new[i], per_second / watch.candidate[bucket, 1])
+                var_old[i] = max(var_old[i], per_second / watch.baseline[bucket, 1])
             weight = watch.candidate[enough, 1] / watch.candidate[enough, 1].sum()
             log_ratio = float(np.sum(weight * (log_new - log_old)))
             sd = float(np.sqrt(np.sum(weight * weight * (var_new + var_old))))
@@ -189,7 +273,11 @@ class Guardrail:
                 verdict = Verdict.ROLL_BACK
             elif log_ratio - cfg.z * sd > limit:
                 verdict = Verdict.KEEP
-        if verdict is Verdict.HOLD and now_s - watch.at_s >= cfg.max_watch_s:
+        served = watch.candidate[:, 0] >= cfg.min_steps_per_bucket
+        nothing_to_compare = (served.any() and not enough.any()
+                              and now_s - watch.at_s >= cfg.no_comparison_s)
+        if verdict is Verdict.HOLD and (nothing_to_compare
+                                        or now_s - watch.at_s >= cfg.max_watch_s):
             verdict = Verdict.INCONCLUSIVE
             self.last_evidence = {**self.last_evidence, "old_version": watch.old_version,
                                   "new_version": watch.new_version}

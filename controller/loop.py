@@ -5,8 +5,18 @@ through the same decisions production makes: a fitted envelope goes through
 `TableAgent.on_envelope` (validation, versions), the agent's desired table is staged with its
 explorer, the `Guardrail` watches every swap and a ROLL_BACK goes through
 `TableAgent.roll_back(reason, **evidence)`, the `DriftDetector` emits `stale` and triggers a
-short re-profile and a refit. Time is whatever the records say (virtual time in the twin),
-so the loop runs in-process at any speed; every wait is a deadline on that clock.
+re-profile and a refit. Time is whatever the records say (virtual time in the twin), so the
+loop runs in-process at any speed; every wait is a deadline on that clock.
+
+The re-profile after `stale`, and why each part. The drift shows while the old traffic's
+requests still run, so the stale table first runs on for `reprofile_settle_s`. A short block
+at every K then measures what live steps censor (acceptance beyond the table's K, the cost of
+every K at the new load); a fit of it picks a K, and that K and its neighbours run for long
+blocks in mirrored order (a, b, c, c, b, a): which requests a closed loop holds, and so what a
+K really emits per step, settles only over a request's lifetime, and between neighbouring K
+that is what decides. The stale table then runs one warm block and one baseline block for
+the guardrail, and the refit on the sweep's records is published under its watch. About
+100 s in all (`LoopConfig`), paid once per drift.
 """
 
 from __future__ import annotations
@@ -73,8 +83,15 @@ class LoopConfig:
     refit_interval_s: float = 30.0
     fit_window_s: float = 180.0
     half_life_s: float = 60.0
+    tolerance: float = 0.005
+    """The fitter's derivation tolerance (`fitter.derive.choose_k`): its 1% default trades
+    goodput for fewer ranges and smaller K on a fleet's table; one engine at one load has
+    the telemetry to take the argmax."""
     min_gain: float = 0.01
     """A periodic refit is published only if it predicts at least this much more goodput."""
+    watch_hold_s: float = 60.0
+    """No periodic refit this long into a guardrail watch (the swap would end it unjudged);
+    after that a watch still without a verdict no longer holds refits back."""
     rollback_cooldown_s: float = 60.0
     """No periodic refit this long after a rollback (the same fit would come back)."""
     exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
@@ -93,6 +110,8 @@ class _Sweep:
     """When the blocks run out: fit, then append the confirmation runs and the baseline."""
     fit_since_s: float | None = None
     """Fits take the records from here on (default: the sweep's start)."""
+    confirmed: tuple[int, ...] = ()
+    """The K values the confirmation ran: the refit after it chooses among them."""
 
 
 class ClosedLoop:
@@ -220,7 +239,8 @@ class ClosedLoop:
             self._anchor = self._window(now_s, since_s=sweep.fit_since_s or sweep.started_s)
             self._sweep = None
             self.state = LoopState.LIVE
-            self._refit(now_s, reason="profile" if first else "stale", force=True)
+            self._refit(now_s, reason="profile" if first else "stale", force=True,
+                        k_values=sweep.confirmed or None)
             return
         if index == sweep.index:
             return
@@ -252,7 +272,8 @@ class ClosedLoop:
         # forced K left behind takes a while to become the table's own again
         sweep.blocks += [*ks, None, None]
         sweep.block_s += [cfg.confirm_block_s] * (len(ks) + 1) + [cfg.reprofile_baseline_s]
-        self._note(now_s, "confirm", k_values=ks[:len(ks) // 2])
+        sweep.confirmed = tuple(int(k) for k in ks[:len(ks) // 2] if k is not None)
+        self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
         """The K a fit of the sweep's records picks at the median batch size it ran."""
@@ -264,6 +285,7 @@ class ClosedLoop:
                                 max_batch=self.limits.max_batch,
                                 startup_k_values=self.k_values, version=1, half_life_s=None,
                                 now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
+                                tolerance=self.config.tolerance,
                                 provenance={"reason": "confirm"})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason="confirm", error=str(exc))
@@ -274,11 +296,16 @@ class ClosedLoop:
         return k if k in self.k_values else None
 
     # ---- fitting --------------------------------------------------------------------------
-    def _refit(self, now_s: float, *, reason: str, force: bool) -> None:
+    def _refit(self, now_s: float, *, reason: str, force: bool,
+               k_values: tuple[int, ...] | None = None) -> None:
+        """Fit, derive, publish if forced or worth it. `k_values` limits the table's K (the
+        confirmed ones after a re-profile: a K beyond them is the sustained-yield line's
+        extrapolation, and a trend during the confirmation tilts that line)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
-        if not force and (now_s < self._cooldown_until_s
-                          or self.guardrail.state is GuardState.WATCHING):
+        watching = (self.guardrail.state is GuardState.WATCHING
+                    and now_s - (self.guardrail.watched_s or now_s) < cfg.watch_hold_s)
+        if not force and (now_s < self._cooldown_until_s or watching):
             return
         records = self._fit_records(now_s)
         if records is None or records.num_rows < 200:
@@ -287,9 +314,10 @@ class ClosedLoop:
         try:
             envelope = self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                                 max_batch=self.limits.max_batch,
-                                startup_k_values=self.k_values, version=version,
+                                startup_k_values=k_values or self.k_values, version=version,
                                 half_life_s=None if reason == "profile" else cfg.half_life_s,
                                 now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
+                                tolerance=self.config.tolerance,
                                 provenance={"reason": reason})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))

@@ -91,6 +91,16 @@ def test_a_constant_misfit_is_learned_as_the_reference() -> None:
     assert feed(detector, rng, range(0, 120), latency_factor=1.08) == []
 
 
+def test_a_table_far_off_its_own_prediction_from_the_start_is_stale() -> None:
+    """40% off from the first steps: fitted on another regime, not a bias to learn."""
+    rng = np.random.default_rng(3)
+    detector = fresh()
+    reports = feed(detector, rng, range(0, 40), acceptance_factor=0.6)
+    assert [r.signal for r in reports] == ["acceptance"]
+    assert reports[0].magnitude == pytest.approx(-0.4, abs=0.08)
+    assert detector.state is DriftState.STALE
+
+
 def test_load_outside_the_fitted_range_is_flagged() -> None:
     rng = np.random.default_rng(4)
     detector = fresh()

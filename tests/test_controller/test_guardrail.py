@@ -23,7 +23,7 @@ def steps(rng: np.random.Generator, *, version: int, t0: float, n: int, goodput:
         latency_s=latency, version=np.full(n, version), forced=np.zeros(n, bool))
 
 
-def run(ratio: float, *, seed: int, chunks: int = 40) -> list[Verdict]:
+def run(ratio: float, *, seed: int, chunks: int = 90) -> list[Verdict]:
     """Baseline 60 s of version 1, swap to version 2 whose goodput is `ratio` x, then
     look after every 1 s chunk (sequential looks, as the loop does)."""
     rng = np.random.default_rng(seed)
@@ -61,7 +61,7 @@ def test_slightly_worse_within_threshold_is_not_rolled_back() -> None:
 
 def test_no_comparable_bucket_means_no_verdict_until_the_deadline() -> None:
     rng = np.random.default_rng(3)
-    guard = Guardrail(GuardrailConfig(max_watch_s=30.0))
+    guard = Guardrail(GuardrailConfig(max_watch_s=300.0, no_comparison_s=30.0))
     for second in range(30):
         guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0, batch=8))
     guard.arm(2, 1, at_s=30.0)
@@ -79,7 +79,7 @@ def test_exploration_steps_do_not_count() -> None:
     for second in range(30):
         guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0))
     guard.arm(2, 1, at_s=30.0)
-    for second in range(30, 60):
+    for second in range(30, 90):
         chunk = steps(rng, version=2, t0=second, n=50, goodput=6000.0)
         forced = np.zeros(50, bool)
         forced[::5] = True  # probes look terrible; they and the step after are left out
@@ -99,3 +99,31 @@ def test_exploration_steps_do_not_count() -> None:
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="threshold"):
         GuardrailConfig(threshold=0.0)
+
+
+def wave_run(config: GuardrailConfig) -> list[Verdict]:
+    """An equal table, but goodput moves in slow waves (which requests the batch holds),
+    and the 8 s baseline caught a crest, the first watched seconds a trough."""
+    rng = np.random.default_rng(11)
+
+    def chunk(version: int, second: int) -> StepColumns:
+        wave = 1.0 + 0.05 * np.cos(2 * np.pi * (second - 56) / 28.0)
+        return steps(rng, version=version, t0=second, n=50, goodput=6000.0 * wave, noise=0.02)
+
+    guard = Guardrail(config)
+    for second in range(52, 60):
+        guard.observe(chunk(1, second))
+    guard.arm(2, 1, at_s=60.0)
+    verdicts = []
+    for second in range(60, 120):
+        guard.observe(chunk(2, second))
+        verdicts.append(guard.verdict(second + 1.0))
+        if verdicts[-1] is not Verdict.HOLD:
+            break
+    return verdicts
+
+
+def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None:
+    assert Verdict.ROLL_BACK not in wave_run(GuardrailConfig())
+    # per-step errors alone (one block per window) would call the crest a regression
+    assert wave_run(GuardrailConfig(block_s=1e9, prior_dof=0.0))[-1] is Verdict.ROLL_BACK

@@ -220,7 +220,7 @@ class Guardrail:
         self.state = GuardState.WATCHING
 
     @property
-    def watched_s(self) -> float | None:
+    def watch_started_s(self) -> float | None:
         """When the swap under watch happened (None when idle)."""
         return None if self._watch is None else self._watch.at_s
 

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 from controller.agent import TableAgent
 from controller.drift import DriftConfig, DriftDetector
 from controller.exploration import ExplorationConfig, explorer_for
-from controller.guardrail import Guardrail, GuardrailConfig, GuardState, Verdict
+from controller.guardrail import Guardrail, GuardrailConfig, Verdict
 from controller.refit_gate import predicted_gain
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
@@ -276,7 +276,8 @@ class ClosedLoop:
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
-        """The K a fit of the sweep's records picks at the median batch size it ran."""
+        """The K a fit of the sweep's records puts first at the median batch size it ran
+        (no tolerance: the confirmation is centred on the fit's best, not its cheapest)."""
         records = self._window(now_s, since_s=since_s)
         if records is None or records.num_rows < 200:
             return None
@@ -285,7 +286,7 @@ class ClosedLoop:
                                 max_batch=self.limits.max_batch,
                                 startup_k_values=self.k_values, version=1, half_life_s=None,
                                 now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
-                                tolerance=self.config.tolerance,
+                                tolerance=0.0,
                                 provenance={"reason": "confirm"})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason="confirm", error=str(exc))
@@ -303,8 +304,8 @@ class ClosedLoop:
         extrapolation, and a trend during the confirmation tilts that line)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
-        watching = (self.guardrail.state is GuardState.WATCHING
-                    and now_s - (self.guardrail.watched_s or now_s) < cfg.watch_hold_s)
+        started = self.guardrail.watch_started_s
+        watching = started is not None and now_s - started < cfg.watch_hold_s
         if not force and (now_s < self._cooldown_until_s or watching):
             return
         records = self._fit_records(now_s)
@@ -318,13 +319,14 @@ class ClosedLoop:
                                 half_life_s=None if reason == "profile" else cfg.half_life_s,
                                 now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
                                 tolerance=self.config.tolerance,
-                                provenance={"reason": reason})
+                                provenance={"reason": reason,
+                                            **({"chosen_among_k": list(k_values)}
+                                               if k_values else {})})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return
         if reason in ("profile", "stale"):
             self._sweep_slope = envelope.sustained_slope
-
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain = predicted_gain(envelope, current, batch[-2000:])

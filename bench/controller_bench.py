@@ -13,6 +13,7 @@ All twin runs use the h100-llama3.1-8b cost profile and virtual time.
 - exploration: the final fitted table of a steady run, with its explorer and without.
 - latency: a real embedded broker, `TableFeed`, a `TableSwitch` applied every 5 ms by an
   "engine" thread; wall seconds from `table_log.publish` to the switch running the version.
+  The first publish creates the tables topic and is reported apart (`first_publish_s`).
 """
 
 from __future__ import annotations
@@ -222,7 +223,9 @@ def publish_latency(n: int = 30) -> dict[str, Any]:
         stepper = threading.Thread(target=engine, daemon=True)
         stepper.start()
         try:
-            for version in range(1, n + 1):
+            # version 1 is the cold start, reported apart: the tables topic does not exist
+            # yet, so its publish creates it and the feed's consumer first finds it then
+            for version in range(1, n + 2):
                 k = version % 8
                 envelope = TableEnvelope(key=key, version=version,
                                          table=DraftTable.from_vllm([[1, 256, k]]),
@@ -244,10 +247,13 @@ def publish_latency(n: int = 30) -> dict[str, Any]:
             feed.stop()
             stepper.join(timeout=1.0)
 
+    first_s = from_call.pop(0)
+    from_ack.pop(0)
+
     def pct(values: list[float], q: float) -> float:
         return round(float(np.percentile(values, q)), 4)
 
-    return {"envelopes": n,
+    return {"envelopes": n, "first_publish_s": round(first_s, 4),
             "from_publish_call_s": {"p50": pct(from_call, 50), "p99": pct(from_call, 99),
                                     "max": round(max(from_call), 4)},
             "from_broker_ack_s": {"p50": pct(from_ack, 50), "p99": pct(from_ack, 99)}}
@@ -281,7 +287,9 @@ def markdown(results: dict[str, Any]) -> str:
                      f"(probe share {results['exploration']['probe_share_pct']}%)")
     if "latency" in results:
         lat = results["latency"]["from_publish_call_s"]
-        lines.append(f"publish-to-applied p50 {lat['p50']} s, p99 {lat['p99']} s")
+        lines.append(f"publish-to-applied p50 {lat['p50']} s, p99 {lat['p99']} s "
+                     f"(first publish, creating the topic: "
+                     f"{results['latency']['first_publish_s']} s)")
     return "\n".join(lines) + "\n"
 
 

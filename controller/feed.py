@@ -50,6 +50,8 @@ class TableFeed:
         """Stage on a change of decision only, so a profiler's forced table is not undone."""
         self._forced: DraftTable | None = None
         """The table a `force` control has staged, until its release or expiry."""
+        self._refused_force: DraftTable | None = None
+        """A forced table the switch refused: said once on the status topic, not every poll."""
         self._thread = threading.Thread(target=self._run, name="tabletune-table-feed",
                                         daemon=True)
 
@@ -153,10 +155,13 @@ class TableFeed:
         """Stage a newly forced table, or note the end of a force; True while one holds."""
         forced = self.agent.forced_table(datetime.now(UTC))
         if forced is not None:
+            if forced == self._refused_force:
+                return False
             if forced != self._forced:
                 try:
                     self.switch.stage(forced, self.switch.version, forced=True)
                 except TableError as exc:
+                    self._refused_force = forced
                     self.status.emit("rejected", control="force", reason="invalid_table",
                                      detail=str(exc))
                     return False

@@ -113,6 +113,11 @@ class _Sweep:
     confirmed: tuple[int, ...] = ()
     """The K values the confirmation ran: the refit after it chooses among them."""
 
+    @property
+    def records_from_s(self) -> float:
+        """Where the records the sweep's fits take begin."""
+        return self.started_s if self.fit_since_s is None else self.fit_since_s
+
 
 class ClosedLoop:
     def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
@@ -236,7 +241,7 @@ class ClosedLoop:
             index = int(np.searchsorted(np.cumsum(sweep.block_s), elapsed, side="right"))
         if index >= len(sweep.blocks):
             first = self.state is LoopState.PROFILING
-            self._anchor = self._window(now_s, since_s=sweep.fit_since_s or sweep.started_s)
+            self._anchor = self._window(now_s, since_s=sweep.records_from_s)
             self._sweep = None
             self.state = LoopState.LIVE
             self._refit(now_s, reason="profile" if first else "stale", force=True,
@@ -262,17 +267,15 @@ class ClosedLoop:
         a, b, c, c, b, a, so a trend over time cancels between them), then the baseline."""
         cfg = self.config
         sweep.confirm = False
-        chosen = self._sweep_choice(now_s, since_s=sweep.fit_since_s or sweep.started_s)
-        ks: list[int | None] = []
+        chosen = self._sweep_choice(now_s, since_s=sweep.records_from_s)
         if chosen is not None:
             at = self.k_values.index(chosen)
-            ks = list(self.k_values[max(at - 1, 0):at + 2])
-            ks += ks[::-1]
+            sweep.confirmed = self.k_values[max(at - 1, 0):at + 2]
+        runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
         # the baseline starts after one more block on the current table: the batch the last
         # forced K left behind takes a while to become the table's own again
-        sweep.blocks += [*ks, None, None]
-        sweep.block_s += [cfg.confirm_block_s] * (len(ks) + 1) + [cfg.reprofile_baseline_s]
-        sweep.confirmed = tuple(int(k) for k in ks[:len(ks) // 2] if k is not None)
+        sweep.blocks += [*runs, None, None]
+        sweep.block_s += [cfg.confirm_block_s] * (len(runs) + 1) + [cfg.reprofile_baseline_s]
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
@@ -281,15 +284,9 @@ class ClosedLoop:
         records = self._window(now_s, since_s=since_s)
         if records is None or records.num_rows < 200:
             return None
-        try:
-            envelope = self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
-                                max_batch=self.limits.max_batch,
-                                startup_k_values=self.k_values, version=1, half_life_s=None,
-                                now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
-                                tolerance=0.0,
-                                provenance={"reason": "confirm"})
-        except (ValueError, np.linalg.LinAlgError) as exc:
-            self._note(now_s, "fit_failed", reason="confirm", error=str(exc))
+        envelope = self._fit(records, now_s, reason="confirm", version=1, half_life_s=None,
+                             tolerance=0.0, k_values=self.k_values)
+        if envelope is None:
             return None
         batch = records.column("batch_size").to_numpy()
         median = int(np.clip(np.median(batch), 1, self.limits.max_batch))
@@ -312,18 +309,11 @@ class ClosedLoop:
         if records is None or records.num_rows < 200:
             return
         version = self.agent.state.newest_version + 1
-        try:
-            envelope = self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
-                                max_batch=self.limits.max_batch,
-                                startup_k_values=k_values or self.k_values, version=version,
-                                half_life_s=None if reason == "profile" else cfg.half_life_s,
-                                now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
-                                tolerance=self.config.tolerance,
-                                provenance={"reason": reason,
-                                            **({"chosen_among_k": list(k_values)}
-                                               if k_values else {})})
-        except (ValueError, np.linalg.LinAlgError) as exc:
-            self._note(now_s, "fit_failed", reason=reason, error=str(exc))
+        envelope = self._fit(records, now_s, reason=reason, version=version,
+                             half_life_s=None if reason == "profile" else cfg.half_life_s,
+                             tolerance=cfg.tolerance, k_values=k_values or self.k_values,
+                             provenance={"chosen_among_k": list(k_values)} if k_values else {})
+        if envelope is None:
             return
         if reason in ("profile", "stale"):
             self._sweep_slope = envelope.sustained_slope
@@ -339,6 +329,21 @@ class ClosedLoop:
         if self.mirror is not None:
             self.mirror(envelope)
         self.publish(envelope, now_s, guard=reason != "profile")
+
+    def _fit(self, records: pa.Table, now_s: float, *, reason: str, version: int,
+             half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
+             provenance: dict[str, Any] | None = None) -> TableEnvelope | None:
+        """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
+        decision) when the records cannot be fitted."""
+        try:
+            return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
+                            max_batch=self.limits.max_batch, startup_k_values=k_values,
+                            version=version, half_life_s=half_life_s,
+                            now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
+                            tolerance=tolerance, provenance={"reason": reason, **(provenance or {})})
+        except (ValueError, np.linalg.LinAlgError) as exc:
+            self._note(now_s, "fit_failed", reason=reason, error=str(exc))
+            return None
 
     def _window(self, now_s: float, since_s: float | None = None) -> pa.Table | None:
         if not self._records:

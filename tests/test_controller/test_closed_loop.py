@@ -38,13 +38,18 @@ def test_planted_bad_table_is_rolled_back_within_60_s() -> None:
     assert planted_version in policy.loop.agent.state.withdrawn
 
 
-def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
-    """EAGLE, 8 users then 64: the table fitted at 8 (long drafts) is wrong at 64."""
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
+def eagle_jump(*, c64_s: float) -> Scenario:
+    """EAGLE at 8 users for 70 s, then at 64 for `c64_s`."""
+    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
         PhaseConfig(name="c8", duration_s=70, concurrency=8, acceptance=EAGLE,
                     prompt_len=355, output_len=300),
-        PhaseConfig(name="c64", duration_s=100, concurrency=64, acceptance=EAGLE,
+        PhaseConfig(name="c64", duration_s=c64_s, concurrency=64, acceptance=EAGLE,
                     prompt_len=355, output_len=300)))
+
+
+def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
+    """EAGLE, 8 users then 64: the table fitted at 8 (long drafts) is wrong at 64."""
+    scenario = eagle_jump(c64_s=100)
     policy = TabletunePolicy()
     tt = run_scenario(scenario, policy)
     policy.close()
@@ -59,11 +64,7 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     """After `stale`: every K for a short block, then long mirrored runs at the K the short
     sweep points to and its neighbours, then the refit; the forced steps in the telemetry
     follow that plan."""
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
-        PhaseConfig(name="c8", duration_s=70, concurrency=8, acceptance=EAGLE,
-                    prompt_len=355, output_len=300),
-        PhaseConfig(name="c64", duration_s=160, concurrency=64, acceptance=EAGLE,
-                    prompt_len=355, output_len=300)))
+    scenario = eagle_jump(c64_s=160)
     policy = TabletunePolicy()
     sink = MemorySink()
     run_scenario(scenario, policy, sink=sink)

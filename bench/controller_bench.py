@@ -58,7 +58,42 @@ def table_at(policy: TabletunePolicy, t_s: float) -> tuple[int, DraftTable] | No
     return active[-1] if active else None
 
 
-def recovery(name: str, seed: int | None = None) -> dict[str, Any]:
+class OracleChoice(TabletunePolicy):
+    """A diagnostic, not a policy: `tabletune` whose pick after each re-profile is the fixed
+    K that did best over that phase's window. Its recovery bounds what a better model of
+    the choice could win; what it still misses is the loop's timing (detection, sweep,
+    confirmation)."""
+
+    name = "tabletune-oracle-choice"
+
+    def __init__(self, best_k_at: Any) -> None:
+        super().__init__()
+        self.best_k_at = best_k_at
+
+    def start(self, engine: Any) -> None:
+        super().start(engine)
+        assert self.loop is not None
+        fit = self.loop.fit
+
+        def pick_oracle(records: Any, **kwargs: Any) -> TableEnvelope:
+            best = self.best_k_at(kwargs["now_ns"] / 1e9)
+            if kwargs.get("provenance", {}).get("chosen_among_k") and best is not None:
+                kwargs = {**kwargs, "startup_k_values": (best,)}
+            return fit(records, **kwargs)
+
+        self.loop.fit = pick_oracle
+
+
+def _stale_rate(scenario: Any, policy: TabletunePolicy, phase: dict[str, Any], start: float,
+                end: float) -> tuple[tuple[int, DraftTable], float]:
+    stale = table_at(policy, phase["start_s"])
+    assert stale is not None, "tabletune had no fitted table before the drift"
+    stale_run = run_scenario(scenario, StaticTable(stale[1], name=f"stale-v{stale[0]}"))
+    return stale, window_rate(stale_run, start, end)
+
+
+def recovery(name: str, seed: int | None = None, *, oracle_choice: bool = False
+             ) -> dict[str, Any]:
     path = SCENARIOS / name
     scenario = load_scenario(path)
     if seed is not None:
@@ -67,17 +102,26 @@ def recovery(name: str, seed: int | None = None) -> dict[str, Any]:
     tt = run_scenario(scenario, policy)
     policy.close()
     fixed = {k: run_scenario(scenario, FixedK(k)) for k in range(scenario.engine.max_k + 1)}
+    windows = [(phase, phase["start_s"] + SETTLE_S, phase["end_s"]) for phase in tt.phases[1:]]
+    rates_by_phase = [{k: window_rate(run, start, end) for k, run in fixed.items()}
+                      for _, start, end in windows]
+    oracle = oracle_run = None
+    if oracle_choice:
+        def best_k_at(t_s: float) -> int | None:
+            for (phase, _, _), rates in zip(windows, rates_by_phase, strict=True):
+                if phase["start_s"] <= t_s < phase["end_s"]:
+                    return max(rates, key=lambda k: rates[k])
+            return None
+        oracle = OracleChoice(best_k_at)
+        oracle_run = run_scenario(scenario, oracle)
+        oracle.close()
     rows = []
-    for phase in tt.phases[1:]:
-        start, end = phase["start_s"] + SETTLE_S, phase["end_s"]
-        stale = table_at(policy, phase["start_s"])
-        assert stale is not None, "tabletune had no fitted table before the drift"
-        stale_run = run_scenario(scenario, StaticTable(stale[1], name=f"stale-v{stale[0]}"))
-        rates = {k: window_rate(run, start, end) for k, run in fixed.items()}
+    for (phase, start, end), rates in zip(windows, rates_by_phase, strict=True):
+        stale, stale_rate = _stale_rate(scenario, policy, phase, start, end)
         best_k = max(rates, key=lambda k: rates[k])
-        tt_rate, stale_rate = window_rate(tt, start, end), window_rate(stale_run, start, end)
+        tt_rate = window_rate(tt, start, end)
         loss = rates[best_k] - stale_rate
-        rows.append({
+        row = {
             "scenario": name, "seed": scenario.seed, "phase": phase["name"],
             "window_s": [start, end],
             "stale_version": stale[0], "stale_table": stale[1].to_vllm(),
@@ -89,8 +133,56 @@ def recovery(name: str, seed: int | None = None) -> dict[str, Any]:
             "recovery": round((tt_rate - stale_rate) / loss, 3) if loss > 0 else None,
             "stale_events": sum(1 for e in policy.loop.decisions if e["what"] == "stale"),
             "rollbacks": sum(1 for e in policy.loop.decisions if e["what"] == "roll_back"),
-        })
+        }
+        if oracle is not None and oracle_run is not None:
+            _, oracle_stale = _stale_rate(scenario, oracle, phase, start, end)
+            row["oracle_choice"] = {"tabletune_tok_s": round(window_rate(oracle_run, start, end),
+                                                             1),
+                                    "stale_tok_s": round(oracle_stale, 1)}
+        rows.append(row)
     return {"scenario": name, "seed": scenario.seed, "phases": rows}
+
+
+def _one_k(rows: list[dict[str, Any]], run: str | None = None
+           ) -> tuple[str, float, float, float]:
+    """The best fixed K over the rows' summed rates: (K, its sum, tabletune's, stale's);
+    `run` = "oracle_choice" takes tabletune's and stale's from that diagnostic run."""
+    by_k: dict[str, float] = {}
+    for r in rows:
+        for k, rate in r["fixed_tok_s"].items():
+            by_k[k] = by_k.get(k, 0.0) + rate
+    best = max(by_k, key=lambda k: by_k[k])
+    source = [r if run is None else r[run] for r in rows]
+    return (best, by_k[best], sum(r["tabletune_tok_s"] for r in source),
+            sum(r["stale_tok_s"] for r in source))
+
+
+def _one_k_recovery(rows: list[dict[str, Any]], run: str | None = None) -> float | None:
+    _, best, tt, stale = _one_k(rows, run)
+    return (tt - stale) / (best - stale) if best > stale else None
+
+
+def bootstrap_interval(rows: list[dict[str, Any]], *, run: str | None = None,
+                       resamples: int = 2000, level: float = 0.9
+                       ) -> tuple[float, float] | None:
+    """A percentile interval of the one-K pooled recovery over seeds drawn with replacement:
+    how far the seeds alone move the figure (the windows differ by which requests they
+    hold, so a seed's rates are noisy by tenths of a percent, and against a stale loss of
+    a few percent that is tenths of the recovery)."""
+    if len(rows) < 3:
+        return None
+    rng = np.random.default_rng(0)
+    values = []
+    for _ in range(resamples):
+        value = _one_k_recovery([rows[i] for i in rng.integers(len(rows), size=len(rows))],
+                                run)
+        if value is not None:
+            values.append(value)
+    if len(values) < resamples // 2:
+        return None
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return round(float(low), 3), round(float(high), 3)
 
 
 def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,7 +193,8 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     `pooled_recovery_one_k` takes the best fixed K of the phase once, from the summed rates
     over all seeds: a per-seed best K is the maximum of eight noisy window rates and so
     beats the phase's true best K by the window's noise (a few tenths of a percent), a bar
-    no policy can meet on average.
+    no policy can meet on average. `recovery_one_k_90pct` is its bootstrap interval over
+    the seeds. With `--oracle-choice` runs, the same two figures for `OracleChoice`.
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for entry in entries:
@@ -112,11 +205,9 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tt = sum(r["tabletune_tok_s"] for r in rows)
         stale = sum(r["stale_tok_s"] for r in rows)
         best = sum(r["best_fixed_tok_s"] for r in rows)
-        by_k: dict[str, float] = {}
-        for r in rows:
-            for k, rate in r["fixed_tok_s"].items():
-                by_k[k] = by_k.get(k, 0.0) + rate
-        one_k = max(by_k, key=lambda k: by_k[k])
+        one_k, one_k_rate, _, _ = _one_k(rows)
+        one_k_recovery = _one_k_recovery(rows)
+        interval = bootstrap_interval(rows)
         single = [r["recovery"] for r in rows if r["recovery"] is not None]
         out.append({
             "scenario": scenario, "phase": phase, "seeds": [r["seed"] for r in rows],
@@ -125,11 +216,19 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "pooled_recovery": round((tt - stale) / (best - stale), 3) if best > stale else None,
             "median_recovery": round(float(np.median(single)), 3) if single else None,
             "best_fixed_k_pooled": int(one_k),
-            "stale_loss_one_k_pct": round(100 * (by_k[one_k] - stale) / by_k[one_k], 2),
-            "tabletune_vs_one_k_pct": round(100 * (tt / by_k[one_k] - 1), 2),
-            "pooled_recovery_one_k": (round((tt - stale) / (by_k[one_k] - stale), 3)
-                                      if by_k[one_k] > stale else None),
+            "stale_loss_one_k_pct": round(100 * (one_k_rate - stale) / one_k_rate, 2),
+            "tabletune_vs_one_k_pct": round(100 * (tt / one_k_rate - 1), 2),
+            "pooled_recovery_one_k": (None if one_k_recovery is None
+                                      else round(one_k_recovery, 3)),
+            "recovery_one_k_90pct": None if interval is None else list(interval),
         })
+        if all("oracle_choice" in r for r in rows):
+            oracle = _one_k_recovery(rows, "oracle_choice")
+            oracle_interval = bootstrap_interval(rows, run="oracle_choice")
+            out[-1]["oracle_choice_recovery_one_k"] = (None if oracle is None
+                                                       else round(oracle, 3))
+            out[-1]["oracle_choice_90pct"] = (None if oracle_interval is None
+                                              else list(oracle_interval))
     return out
 
 
@@ -270,15 +369,27 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("recovery_pooled"):
         lines += ["", "| scenario | phase | seeds | stale loss | tabletune vs best fixed "
                       "| pooled recovery | median recovery | best K over seeds "
-                      "| stale loss vs it | tabletune vs it | recovery vs it |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                      "| stale loss vs it | tabletune vs it | recovery vs it "
+                      "| its 90% interval over seeds |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for row in results["recovery_pooled"]:
             lines.append(f"| {row['scenario']} | {row['phase']} | {len(row['seeds'])} "
                          f"| {row['stale_loss_pct']}% | {row['tabletune_vs_best_pct']}% "
                          f"| {row['pooled_recovery']} | {row['median_recovery']} "
                          f"| {row['best_fixed_k_pooled']} | {row['stale_loss_one_k_pct']}% "
                          f"| {row['tabletune_vs_one_k_pct']}% "
-                         f"| {row['pooled_recovery_one_k']} |")
+                         f"| {row['pooled_recovery_one_k']} "
+                         f"| {row['recovery_one_k_90pct']} |")
+    oracle_rows = [row for row in results.get("recovery_pooled", [])
+                   if "oracle_choice_recovery_one_k" in row]
+    if oracle_rows:
+        lines += ["", "| scenario | phase | recovery vs best K over seeds, the pick after "
+                      "each re-profile made by an oracle | its 90% interval over seeds |",
+                  "| --- | --- | --- | --- |"]
+        for row in oracle_rows:
+            lines.append(f"| {row['scenario']} | {row['phase']} "
+                         f"| {row['oracle_choice_recovery_one_k']} "
+                         f"| {row['oracle_choice_90pct']} |")
     if "rollback" in results:
         lines.append(f"\nplanted K=7 table rolled back after "
                      f"{results['rollback']['rolled_back_after_s']} s (virtual)")
@@ -301,6 +412,10 @@ def main() -> None:
     parser.add_argument("--envelopes", type=int, default=30)
     parser.add_argument("--scenario", action="append", default=None,
                         help="drift scenario file name(s) under producers/twin/scenarios")
+    parser.add_argument("--oracle-choice", action="store_true",
+                        help="recovery also runs tabletune with its pick after each re-profile "
+                        "replaced by the fixed K that did best in that phase's window (a "
+                        "diagnostic: what a better choice would win, and what timing costs)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="run each drift scenario with these seeds instead of its own, "
                         "and pool the recovery over them (the phase windows are noisy: a "
@@ -309,8 +424,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     if args.what in ("recovery", "all"):
         seeds: list[int | None] = list(args.seeds) if args.seeds else [None]
-        results["recovery"] = [recovery(name, seed) for name in (args.scenario or DRIFT)
-                               for seed in seeds]
+        results["recovery"] = [recovery(name, seed, oracle_choice=args.oracle_choice)
+                               for name in (args.scenario or DRIFT) for seed in seeds]
         if args.seeds:
             results["recovery_pooled"] = pooled_recovery(results["recovery"])
     if args.what in ("rollback", "all"):

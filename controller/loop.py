@@ -16,7 +16,8 @@ blocks in mirrored order (a, b, c, c, b, a): which requests a closed loop holds,
 K really emits per step, settles only over a request's lifetime, and between neighbouring K
 that is what decides. The stale table then runs one warm block and one baseline block for
 the guardrail, and the refit on the sweep's records is published under its watch. About
-100 s in all (`LoopConfig`), paid once per drift.
+80 s in all (`LoopConfig`), paid once per drift; so the drift detector's window is long
+enough that the workload's own wander does not start one.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ class LoopConfig:
     profile_rounds: int = 2
     """... this many times over (rounds spread each K over time and load)."""
     reprofile_on_stale: bool = True
-    reprofile_settle_s: float = 30.0
-    """A drift shows before the new regime has settled (the old traffic's long requests
+    reprofile_settle_s: float = 10.0
+    """A drift can show before the new regime has settled (the old traffic's long requests
     still run): the re-profile waits this long, on the current table, so that it measures
-    the new regime rather than the mix of both."""
+    the new regime rather than the mix of both. Short, because the drift detector's
+    minute-long window reports a switch only once it dominates."""
     reprofile_block_s: float = 2.0
     confirm_block_s: float = 6.0
     """After the re-profile's short sweep, the K its fit picks at the load of the moment and

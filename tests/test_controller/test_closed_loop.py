@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from fitter.profile_twin import MemorySink
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
+from producers.twin.config import DrafterConfig
 from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
 
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+NGRAM_CHAT = (0.35, 0.84, 0.87, 0.90, 0.91)
+NGRAM_CODE = (0.65, 0.93, 0.94, 0.95, 0.95)
 
 
 def rate(summary, start_s: float, end_s: float) -> float:  # type: ignore[no-untyped-def]
@@ -47,6 +50,16 @@ def eagle_jump(*, c64_s: float) -> Scenario:
                     prompt_len=355, output_len=300)))
 
 
+def ngram_chat_to_code() -> Scenario:
+    """n-gram, 48 users: chat-like acceptance for 70 s, then code-edit-like for 160 s."""
+    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                    drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5), phases=(
+        PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=NGRAM_CHAT,
+                    prompt_len=355, output_len=728),
+        PhaseConfig(name="code", duration_s=160, concurrency=48, acceptance=NGRAM_CODE,
+                    prompt_len=171, output_len=262)))
+
+
 def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
     """EAGLE, 8 users then 64: the table fitted at 8 (long drafts) is wrong at 64."""
     scenario = eagle_jump(c64_s=100)
@@ -64,7 +77,7 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     """After `stale`: every K for a short block, then long mirrored runs at the K the short
     sweep points to and its neighbours, then the refit; the forced steps in the telemetry
     follow that plan."""
-    scenario = eagle_jump(c64_s=160)
+    scenario = ngram_chat_to_code()
     policy = TabletunePolicy()
     sink = MemorySink()
     run_scenario(scenario, policy, sink=sink)

@@ -79,7 +79,7 @@ def test_latency_shift_is_flagged() -> None:
     rng = np.random.default_rng(2)
     detector = fresh()
     feed(detector, rng, range(0, 40))
-    reports = feed(detector, rng, range(40, 80), latency_factor=1.25)
+    reports = feed(detector, rng, range(40, 100), latency_factor=1.25)
     assert [r.signal for r in reports] == ["latency"]
     assert reports[0].magnitude == pytest.approx(0.25, abs=0.05)
 

@@ -197,7 +197,8 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     over all seeds: a per-seed best K is the maximum of eight noisy window rates and so
     beats the phase's true best K by the window's noise (a few tenths of a percent), a bar
     no policy can meet on average. `recovery_one_k_90pct` is its bootstrap interval over
-    the seeds. All None where the stale table lost under `MIN_LOSS` against that K. With `--oracle-choice` runs, the same two figures for `OracleChoice`.
+    the seeds. All None where the stale table lost under `MIN_LOSS` against that K. With
+    `--oracle-choice` runs, the same two figures for `OracleChoice`.
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for entry in entries:
@@ -205,12 +206,10 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             groups.setdefault((row["scenario"], row["phase"]), []).append(row)
     out = []
     for (scenario, phase), rows in groups.items():
-        tt = sum(r["tabletune_tok_s"] for r in rows)
-        stale = sum(r["stale_tok_s"] for r in rows)
+        one_k, one_k_rate, tt, stale = _one_k(rows)
         best = sum(r["best_fixed_tok_s"] for r in rows)
-        one_k, one_k_rate, _, _ = _one_k(rows)
         lost = (one_k_rate - stale) / one_k_rate >= MIN_LOSS
-        one_k_recovery = _one_k_recovery(rows) if lost else None
+        one_k_recovery = (tt - stale) / (one_k_rate - stale) if lost else None
         interval = bootstrap_interval(rows) if lost else None
         single = [r["recovery"] for r in rows if r["recovery"] is not None] if lost else []
         out.append({

@@ -41,15 +41,6 @@ def test_planted_bad_table_is_rolled_back_within_60_s() -> None:
     assert planted_version in policy.loop.agent.state.withdrawn
 
 
-def eagle_jump(*, c64_s: float) -> Scenario:
-    """EAGLE at 8 users for 70 s, then at 64 for `c64_s`."""
-    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
-        PhaseConfig(name="c8", duration_s=70, concurrency=8, acceptance=EAGLE,
-                    prompt_len=355, output_len=300),
-        PhaseConfig(name="c64", duration_s=c64_s, concurrency=64, acceptance=EAGLE,
-                    prompt_len=355, output_len=300)))
-
-
 def ngram_chat_to_code() -> Scenario:
     """n-gram, 48 users: chat-like acceptance for 70 s, then code-edit-like for 160 s."""
     return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
@@ -62,7 +53,11 @@ def ngram_chat_to_code() -> Scenario:
 
 def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
     """EAGLE, 8 users then 64: the table fitted at 8 (long drafts) is wrong at 64."""
-    scenario = eagle_jump(c64_s=100)
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
+        PhaseConfig(name="c8", duration_s=70, concurrency=8, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c64", duration_s=100, concurrency=64, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
     policy = TabletunePolicy()
     tt = run_scenario(scenario, policy)
     policy.close()

@@ -15,7 +15,9 @@ every K at the new load); a fit of it picks a K, and that K and its neighbours r
 blocks in mirrored order (a, b, c, c, b, a): which requests a closed loop holds, and so what a
 K really emits per step, settles only over a request's lifetime, and between neighbouring K
 that is what decides. The stale table then runs one warm block and one baseline block for
-the guardrail, and the refit on the sweep's records is published under its watch. About
+the guardrail, and the refit on the sweep's records is published under its watch. If the
+load at that baseline is off the sweep's by the drift detector's coverage factor, the K
+values confirmed came from another load and the re-profile starts again, once. About
 80 s in all (`LoopConfig`), paid once per drift; so the drift detector's window is long
 enough that the workload's own wander does not start one.
 """
@@ -114,6 +116,10 @@ class _Sweep:
     """Fits take the records from here on (default: the sweep's start)."""
     confirmed: tuple[int, ...] = ()
     """The K values the confirmation ran: the refit after it chooses among them."""
+    confirm_started_s: float | None = None
+    """When the confirmation's runs began (None: not planned yet)."""
+    restarted: bool = False
+    """This re-profile is the second for one `stale`: the load moved under the first."""
 
     @property
     def records_from_s(self) -> float:
@@ -216,20 +222,23 @@ class ClosedLoop:
         self.guardrail.reset_baseline()
         self._data_since_s = now_s
         if self.config.reprofile_on_stale:
-            # acceptance beyond the table's K is censored, a new load range unobserved and a
-            # new context's cost at other K unmeasured: only a sweep shows them
-            cfg = self.config
-            blocks: list[int | None] = [None, *self.k_values]
-            lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(self.k_values)
-            if cfg.confirm_block_s <= 0:
-                blocks.append(None)
-                lengths.append(cfg.reprofile_baseline_s)
-            self._sweep = _Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
-                                 fit_since_s=now_s + cfg.reprofile_settle_s)
-            self._data_since_s = now_s + cfg.reprofile_settle_s
-            self.state = LoopState.REPROFILING
+            self._start_reprofile(now_s)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _start_reprofile(self, now_s: float, *, restarted: bool = False) -> None:
+        # acceptance beyond the table's K is censored, a new load range unobserved and a
+        # new context's cost at other K unmeasured: only a sweep shows them
+        cfg = self.config
+        blocks: list[int | None] = [None, *self.k_values]
+        lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(self.k_values)
+        if cfg.confirm_block_s <= 0:
+            blocks.append(None)
+            lengths.append(cfg.reprofile_baseline_s)
+        self._sweep = _Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
+                             fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted)
+        self._data_since_s = now_s + cfg.reprofile_settle_s
+        self.state = LoopState.REPROFILING
 
     # ---- sweeps ---------------------------------------------------------------------------
     def _advance_sweep(self, now_s: float) -> None:
@@ -241,6 +250,10 @@ class ClosedLoop:
         if index >= len(sweep.blocks) and sweep.confirm:
             self._plan_confirmation(sweep, now_s)
             index = int(np.searchsorted(np.cumsum(sweep.block_s), elapsed, side="right"))
+        if index >= len(sweep.blocks) and self._load_moved(sweep, now_s):
+            self._note(now_s, "reprofile_restarted", reason="the load moved during it")
+            self._start_reprofile(now_s, restarted=True)
+            return
         if index >= len(sweep.blocks):
             first = self.state is LoopState.PROFILING
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
@@ -276,9 +289,30 @@ class ClosedLoop:
         runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
         # the baseline starts after one more block on the current table: the batch the last
         # forced K left behind takes a while to become the table's own again
+        sweep.confirm_started_s = now_s
         sweep.blocks += [*runs, None, None]
         sweep.block_s += [cfg.confirm_block_s] * (len(runs) + 1) + [cfg.reprofile_baseline_s]
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
+
+    def _load_moved(self, sweep: _Sweep, now_s: float) -> bool:
+        """Whether the load at the re-profile's end (its baseline block) is off the load its
+        sweep ran at by the drift detector's coverage factor: the confirmation then ran the
+        K values a sweep at another load pointed to (twin, EAGLE 8 -> 64 users in the middle
+        of a re-profile: K5-7 confirmed, K5 kept at 64 users where K3 is best, 4% lost for
+        the next minutes). Once per re-profile."""
+        if sweep.restarted or sweep.confirm_started_s is None:
+            return False
+        records = self._window(now_s, since_s=sweep.records_from_s)
+        if records is None:
+            return False
+        batch = records.column("batch_size").to_numpy()
+        seconds = records.column("ts_ns").to_numpy() / 1e9
+        before = batch[seconds < sweep.confirm_started_s]
+        after = batch[seconds >= now_s - self.config.reprofile_baseline_s]
+        if before.size < 100 or after.size < 100:
+            return False
+        low, high = sorted((float(np.median(before)), float(np.median(after))))
+        return high >= self.config.drift.coverage_factor * max(low, 1.0)
 
     def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
         """The K a fit of the sweep's records puts first at the median batch size it ran

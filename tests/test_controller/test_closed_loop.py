@@ -105,3 +105,29 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     for k, seconds in runs[8:]:
         expected = config.confirm_block_s * (2 if k == k_values[-1] else 1)
         assert abs(seconds - expected) < 1.0, runs
+
+
+def test_a_reprofile_the_load_moved_under_starts_again() -> None:
+    """The chat -> code switch starts a re-profile; the load drops 6x while its confirmation
+    runs, so the K values confirmed came from a sweep at another load: the loop says so and
+    sweeps again at the new load before it refits."""
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                        drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5), phases=(
+        PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=NGRAM_CHAT,
+                    prompt_len=355, output_len=728),
+        PhaseConfig(name="code", duration_s=60, concurrency=48, acceptance=NGRAM_CODE,
+                    prompt_len=171, output_len=262),
+        PhaseConfig(name="code-c8", duration_s=120, concurrency=8, acceptance=NGRAM_CODE,
+                    prompt_len=171, output_len=262)))
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    what = [(d["what"], d["t_s"]) for d in decisions
+            if d["what"] in ("stale", "confirm", "reprofile_restarted", "refit")
+            and d.get("reason") != "periodic" and d["t_s"] > 70.0]
+    restarted = [t for w, t in what if w == "reprofile_restarted"]
+    assert restarted and restarted[0] > 130.0, what
+    after = [w for w, t in what if t > restarted[0]]
+    assert after[:2] == ["confirm", "refit"], what

@@ -39,7 +39,7 @@ from controller.agent import TableAgent
 from controller.drift import DriftConfig, DriftDetector
 from controller.exploration import ExplorationConfig, explorer_for
 from controller.guardrail import Guardrail, GuardrailConfig, Verdict
-from controller.refit_gate import predicted_gain
+from controller.refit_gate import gain_stderr, predicted_gain
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
@@ -93,6 +93,9 @@ class LoopConfig:
     the telemetry to take the argmax."""
     min_gain: float = 0.01
     """A periodic refit is published only if it predicts at least this much more goodput."""
+    gain_z: float = 2.0
+    """... and only if that gain is this many of its standard errors (the surface's): a
+    gain the fit cannot tell from noise is a swap on an extrapolation."""
     watch_hold_s: float = 60.0
     """No periodic refit this long into a guardrail watch (the swap would end it unjudged);
     after that a watch still without a verdict no longer holds refits back."""
@@ -358,7 +361,8 @@ class ClosedLoop:
         gain = predicted_gain(envelope, current, batch[-2000:])
         self._note(now_s, "refit", reason=reason, version=version, gain=round(gain, 4),
                    records=records.num_rows)
-        if not force and gain < cfg.min_gain:
+        if not force and (gain < cfg.min_gain
+                          or gain < cfg.gain_z * gain_stderr(envelope, current, batch[-2000:])):
             return
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))

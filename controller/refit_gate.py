@@ -40,3 +40,35 @@ def predicted_gain(candidate: TableEnvelope, current: DraftTable,
     new = float(np.sum(weight * goodput[at, new_col]))
     old = float(np.sum(weight * goodput[at, old_col]))
     return new / old - 1.0 if old > 0 else 0.0
+
+
+def gain_stderr(candidate: TableEnvelope, current: DraftTable,
+                batch_sizes: NDArray[np.int64]) -> float:
+    """Standard error of `predicted_gain`, from the surface's per-cell goodput errors on the
+    batch sizes where the two tables differ (taken as correlated along batch size within a
+    K, independent between the two K: the conservative reading of a summarised surface)."""
+    surface = candidate.surface
+    if (not surface or "goodput_stderr_tok_s" not in surface or "goodput_tok_s" not in surface
+            or batch_sizes.size == 0):
+        return 0.0
+    grid = np.asarray(surface["batch_sizes"], dtype=np.int64)
+    k_index = {int(k): j for j, k in enumerate(surface["k_values"])}
+    goodput = np.asarray(surface["goodput_tok_s"], dtype=np.float64)
+    stderr = np.asarray(surface["goodput_stderr_tok_s"], dtype=np.float64)
+    rows = np.clip(np.searchsorted(grid, np.minimum(batch_sizes, grid[-1])), 0, grid.size - 1)
+    weight = np.bincount(rows, minlength=grid.size).astype(np.float64)
+    new_dense = candidate.table.to_dense(int(grid[-1]))
+    old_dense = current.to_dense(int(grid[-1]))
+    new_col = np.array([k_index.get(new_dense[b], -1) for b in grid])
+    old_col = np.array([k_index.get(old_dense[b], -1) for b in grid])
+    if (new_col < 0).any() or (old_col < 0).any():
+        return 0.0
+    at = np.arange(grid.size)
+    old = float(np.sum(weight * goodput[at, old_col]))
+    differ = new_col != old_col
+    if old <= 0 or not differ.any():
+        return 0.0
+    w = weight[differ]
+    se_new = float(np.sum(w * stderr[at[differ], new_col[differ]]))
+    se_old = float(np.sum(w * stderr[at[differ], old_col[differ]]))
+    return float(np.hypot(se_new, se_old)) / old

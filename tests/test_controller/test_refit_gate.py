@@ -1,0 +1,45 @@
+"""A periodic refit is worth a swap only for a gain on today's load that its own surface can
+tell from noise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controller.refit_gate import gain_stderr, predicted_gain
+from schemas import DraftTable, TableEnvelope, TableKey
+
+BATCH = [1, 8, 16, 32, 64]
+
+
+def envelope(triples: list[list[int]], goodput_k4: float, stderr: float) -> TableEnvelope:
+    """A surface where K3 makes 1000 tok/s at every batch size and K4 `goodput_k4`, each
+    with `stderr`."""
+    surface: dict[str, Any] = {
+        "batch_sizes": BATCH, "k_values": [3, 4],
+        "goodput_tok_s": [[1000.0, goodput_k4] for _ in BATCH],
+        "goodput_stderr_tok_s": [[stderr, stderr] for _ in BATCH]}
+    return TableEnvelope(key=TableKey.parse("m|d|h"), version=2,
+                         table=DraftTable.from_vllm(triples), startup_k_values=(3, 4),
+                         max_batch=64, created_at="2026-11-30T00:00:00Z", surface=surface)
+
+
+def test_the_gain_counts_only_the_batch_sizes_that_ran() -> None:
+    candidate = envelope([[1, 16, 3], [17, 64, 4]], goodput_k4=1100.0, stderr=5.0)
+    current = DraftTable.from_vllm([[1, 64, 3]])
+    assert predicted_gain(candidate, current, np.full(100, 8)) == 0.0
+    assert predicted_gain(candidate, current, np.full(100, 64)) == pytest.approx(0.10)
+    assert gain_stderr(candidate, current, np.full(100, 8)) == 0.0
+
+
+def test_a_gain_within_the_surfaces_noise_has_a_stderr_as_large() -> None:
+    current = DraftTable.from_vllm([[1, 64, 3]])
+    batch = np.full(100, 64)
+    sure = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=2.0)
+    unsure = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=20.0)
+    assert predicted_gain(sure, current, batch) == pytest.approx(0.02)
+    assert gain_stderr(sure, current, batch) == pytest.approx(np.hypot(2.0, 2.0) / 1000.0)
+    assert gain_stderr(unsure, current, batch) == pytest.approx(np.hypot(20.0, 20.0) / 1000.0)
+    assert gain_stderr(unsure, current, batch) > predicted_gain(unsure, current, batch) / 2

@@ -359,10 +359,10 @@ class ClosedLoop:
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain = predicted_gain(envelope, current, batch[-2000:])
+        stderr = gain_stderr(envelope, current, batch[-2000:])
         self._note(now_s, "refit", reason=reason, version=version, gain=round(gain, 4),
-                   records=records.num_rows)
-        if not force and (gain < cfg.min_gain
-                          or gain < cfg.gain_z * gain_stderr(envelope, current, batch[-2000:])):
+                   gain_stderr=round(stderr, 4), records=records.num_rows)
+        if not force and (gain < cfg.min_gain or gain < cfg.gain_z * stderr):
             return
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))

@@ -39,7 +39,7 @@ from controller.agent import TableAgent
 from controller.drift import DriftConfig, DriftDetector
 from controller.exploration import ExplorationConfig, explorer_for
 from controller.guardrail import Guardrail, GuardrailConfig, Verdict
-from controller.refit_gate import gain_stderr, predicted_gain
+from controller.refit_gate import predicted_gain
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
@@ -358,8 +358,7 @@ class ClosedLoop:
             self._sweep_slope = envelope.sustained_slope
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
-        gain = predicted_gain(envelope, current, batch[-2000:])
-        stderr = gain_stderr(envelope, current, batch[-2000:])
+        gain, stderr = predicted_gain(envelope, current, batch[-2000:])
         self._note(now_s, "refit", reason=reason, version=version, gain=round(gain, 4),
                    gain_stderr=round(stderr, 4), records=records.num_rows)
         if not force and (gain < cfg.min_gain or gain < cfg.gain_z * stderr):

@@ -41,14 +41,19 @@ def test_planted_bad_table_is_rolled_back_within_60_s() -> None:
     assert planted_version in policy.loop.agent.state.withdrawn
 
 
-def ngram_chat_to_code() -> Scenario:
-    """n-gram, 48 users: chat-like acceptance for 70 s, then code-edit-like for 160 s."""
+def ngram_chat_to_code(code_s: float = 160, code_c8_s: float = 0) -> Scenario:
+    """n-gram, 48 users: chat-like acceptance for 70 s, then code-edit-like for `code_s`,
+    then (if `code_c8_s`) the same code at 8 users."""
+    code = PhaseConfig(name="code", duration_s=code_s, concurrency=48, acceptance=NGRAM_CODE,
+                       prompt_len=171, output_len=262)
+    later = (PhaseConfig(name="code-c8", duration_s=code_c8_s, concurrency=8,
+                         acceptance=NGRAM_CODE, prompt_len=171, output_len=262),
+             ) if code_c8_s else ()
     return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
                     drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5), phases=(
         PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=NGRAM_CHAT,
                     prompt_len=355, output_len=728),
-        PhaseConfig(name="code", duration_s=160, concurrency=48, acceptance=NGRAM_CODE,
-                    prompt_len=171, output_len=262)))
+        code, *later))
 
 
 def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
@@ -111,16 +116,8 @@ def test_a_reprofile_the_load_moved_under_starts_again() -> None:
     """The chat -> code switch starts a re-profile; the load drops 6x while its confirmation
     runs, so the K values confirmed came from a sweep at another load: the loop says so and
     sweeps again at the new load before it refits."""
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
-                        drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5), phases=(
-        PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=NGRAM_CHAT,
-                    prompt_len=355, output_len=728),
-        PhaseConfig(name="code", duration_s=60, concurrency=48, acceptance=NGRAM_CODE,
-                    prompt_len=171, output_len=262),
-        PhaseConfig(name="code-c8", duration_s=120, concurrency=8, acceptance=NGRAM_CODE,
-                    prompt_len=171, output_len=262)))
     policy = TabletunePolicy()
-    run_scenario(scenario, policy)
+    run_scenario(ngram_chat_to_code(code_s=60, code_c8_s=120), policy)
     policy.close()
     assert policy.loop is not None
     decisions = policy.loop.decisions

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.refit_gate import gain_stderr, predicted_gain
+from controller.refit_gate import predicted_gain
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]
@@ -29,9 +29,9 @@ def envelope(triples: list[list[int]], goodput_k4: float, stderr: float) -> Tabl
 def test_the_gain_counts_only_the_batch_sizes_that_ran() -> None:
     candidate = envelope([[1, 16, 3], [17, 64, 4]], goodput_k4=1100.0, stderr=5.0)
     current = DraftTable.from_vllm([[1, 64, 3]])
-    assert predicted_gain(candidate, current, np.full(100, 8)) == 0.0
-    assert predicted_gain(candidate, current, np.full(100, 64)) == pytest.approx(0.10)
-    assert gain_stderr(candidate, current, np.full(100, 8)) == 0.0
+    assert predicted_gain(candidate, current, np.full(100, 8))[0] == 0.0
+    assert predicted_gain(candidate, current, np.full(100, 64))[0] == pytest.approx(0.10)
+    assert predicted_gain(candidate, current, np.full(100, 8))[1] == 0.0
 
 
 def test_a_gain_within_the_surfaces_noise_has_a_stderr_as_large() -> None:
@@ -39,7 +39,8 @@ def test_a_gain_within_the_surfaces_noise_has_a_stderr_as_large() -> None:
     batch = np.full(100, 64)
     sure = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=2.0)
     unsure = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=20.0)
-    assert predicted_gain(sure, current, batch) == pytest.approx(0.02)
-    assert gain_stderr(sure, current, batch) == pytest.approx(np.hypot(2.0, 2.0) / 1000.0)
-    assert gain_stderr(unsure, current, batch) == pytest.approx(np.hypot(20.0, 20.0) / 1000.0)
-    assert gain_stderr(unsure, current, batch) > predicted_gain(unsure, current, batch) / 2
+    assert predicted_gain(sure, current, batch)[0] == pytest.approx(0.02)
+    assert predicted_gain(sure, current, batch)[1] == pytest.approx(np.hypot(2.0, 2.0) / 1000.0)
+    gain, stderr = predicted_gain(unsure, current, batch)
+    assert stderr == pytest.approx(np.hypot(20.0, 20.0) / 1000.0)
+    assert stderr > gain / 2

@@ -72,6 +72,19 @@ class DriftConfig:
     bias, learned as the reference. One threshold: a miss as large as a drift is one (a
     re-profile that straddled a workload switch fitted the old workload; the closed loop's
     sound fits miss acceptance by at most 14% in the twin's drift scenarios)."""
+    after_sweep_s: float = 180.0
+    after_sweep_factor: float = 2.0
+    """For `after_sweep_s` after a sweep over every K measured the regime (`after_sweep`),
+    the acceptance signal must pass this many thresholds (1.0: no stricter period). The
+    table was fitted on that sweep minutes ago, and its reference is 20 s of a closed loop
+    whose acceptance wanders with the few requests that dominate it: under n-gram, 20 s
+    windows of unchanged code traffic at a fixed K spread by 6-7% (twin), and a 15% shift
+    of the minute window against the reference came up in 7 of 40 phases within three
+    minutes of a re-profile, each starting another (1-2% of those minutes). A real workload
+    switch moves acceptance by 30-45%. Latency and coverage keep their bars: a load jump
+    right after a re-profile shows there first. The misfit check (`misfit_factor`) keeps
+    its one threshold too: a table that a re-profile straddling a switch fitted misses its
+    own prediction from the start."""
     z: float = 5.0
     min_steps: int = 200
     renotify_s: float = 60.0
@@ -112,6 +125,7 @@ class DriftDetector:
         self._fitted_range: tuple[int, int] | None = None
         self._since_s = 0.0
         self._reported_s = 0.0
+        self._strict_until_s = -math.inf
         self._window: deque[tuple[float, NDArray[np.float64]]] = deque()
         """(chunk end, summed stats of the chunk), newest last."""
         self._ref_lat = 0.0
@@ -148,6 +162,16 @@ class DriftDetector:
         self._latency, self._al = dense, al
         self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
 
+    def after_sweep(self, now_s: float) -> None:
+        """A sweep over every K just measured the regime: raise the bars for a while (see
+        `DriftConfig.after_sweep_factor`)."""
+        self._strict_until_s = now_s + self.config.after_sweep_s
+
+    def _bar(self, signal: str, threshold: float, now_s: float) -> float:
+        """The log shift `signal` must pass at `now_s`."""
+        strict = signal == "acceptance" and now_s < self._strict_until_s
+        return math.log1p((self.config.after_sweep_factor if strict else 1.0) * threshold)
+
     def observe(self, steps: StepColumns) -> DriftReport | None:
         """Add a chunk of records; a report when the active table has just gone stale."""
         if self._latency is None or len(steps) == 0:
@@ -180,7 +204,7 @@ class DriftDetector:
             if now_s - self._reported_s < cfg.renotify_s:
                 return None
             self.state = DriftState.WATCHING
-        report = self._check()
+        report = self._check(now_s)
         if report is not None:
             self.state = DriftState.STALE
             self._reported_s = now_s
@@ -243,7 +267,7 @@ class DriftDetector:
         per_chunk = np.array([self._means(chunk)[0 if column == 0 else 1] for chunk in usable])
         return float(np.std(per_chunk, ddof=1)) / math.sqrt(len(usable))
 
-    def _check(self) -> DriftReport | None:
+    def _check(self, now_s: float) -> DriftReport | None:
         """Standard errors come from chunk means (batch means), not steps: consecutive
         steps share their requests, so per-step residuals are far from independent and a
         per-step z would call a few unusual requests a drift. The reference is such a mean
@@ -268,7 +292,7 @@ class DriftDetector:
             candidates.append((signal, shift, abs(shift) / se if se > 0 else math.inf,
                                threshold))
         for signal, shift, z, threshold in candidates:
-            if abs(shift) >= math.log1p(threshold) and z >= cfg.z:
+            if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
                 return DriftReport(signal, math.expm1(self._recent_shift(signal)), z, steps,
                                    self.version)
         return None

@@ -9,17 +9,19 @@ re-profile and a refit. Time is whatever the records say (virtual time in the tw
 loop runs in-process at any speed; every wait is a deadline on that clock.
 
 The re-profile after `stale`, and why each part. The drift shows while the old traffic's
-requests still run, so the stale table first runs on for `reprofile_settle_s`. A short block
-at every K then measures what live steps censor (acceptance beyond the table's K, the cost of
-every K at the new load); a fit of it picks a K, and that K and its neighbours run for long
-blocks in mirrored order (a, b, c, c, b, a): which requests a closed loop holds, and so what a
-K really emits per step, settles only over a request's lifetime, and between neighbouring K
-that is what decides. The stale table then runs one warm block and one baseline block for
-the guardrail, and the refit on the sweep's records is published under its watch. If the
-load at that baseline is off the sweep's by the drift detector's coverage factor, the K
-values confirmed came from another load and the re-profile starts again, once. About
-80 s in all (`LoopConfig`), paid once per drift; so the drift detector's window is long
-enough that the workload's own wander does not start one.
+requests still run, so the stale table first runs on for `reprofile_settle_s`. Short blocks
+at every K, up and back down, then measure what live steps censor (acceptance beyond the
+table's K, the cost of every K at the new load); a fit of them picks a K, and that K and its
+neighbours run for long blocks in mirrored order (a, b, c, c, b, a): which requests a closed
+loop holds, and so what a K really emits per step, settles only over a request's lifetime,
+and between neighbouring K that is what decides. The stale table then runs one warm block
+and one baseline block for the guardrail, and the refit on the sweep's records is published
+under its watch. If the load or the first position's acceptance at that baseline is far off
+the sweep's, the K values confirmed came from another regime and the re-profile starts
+again, once. About 80 s in all (`LoopConfig`), paid once per drift; so the drift detector's
+window is long enough that the workload's own wander does not start one, and for three
+minutes after a sweep it asks acceptance for twice the shift
+(`DriftConfig.after_sweep_factor`).
 """
 
 from __future__ import annotations
@@ -74,7 +76,12 @@ class LoopConfig:
     still run): the re-profile waits this long, on the current table, so that it measures
     the new regime rather than the mix of both. Short, because the drift detector's
     minute-long window reports a switch only once it dominates."""
-    reprofile_block_s: float = 2.0
+    reprofile_block_s: float = 1.0
+    """Each K's block in the re-profile's sweep, which runs the K values up and back down
+    (0..7, 7..0): the acceptance of the few requests that dominate a closed loop wanders
+    over seconds, and a sweep that only went up read that trend as the deep positions'
+    acceptance (under n-gram its pick was one or two K off in a third of re-profiles).
+    Mirrored, a trend cancels between each K's two blocks, in the same 16 s."""
     confirm_block_s: float = 6.0
     """After the re-profile's short sweep, the K its fit picks at the load of the moment and
     the K on each side run this long each, twice over in mirrored order (0 = skip). A short
@@ -84,6 +91,14 @@ class LoopConfig:
     reprofile_baseline_s: float = 8.0
     """After a re-profile the stale table runs again this long, unforced, as the
     guardrail's comparable baseline for the refit that follows."""
+    regime_acceptance_factor: float = 4.0
+    """A re-profile also starts again (once) when the acceptance of the first draft position
+    (comparable across K) in its baseline block is off its sweep's by this many of the drift
+    detector's acceptance thresholds (0 = never): the confirmation then ran the K values a
+    sweep of another workload pointed to (twin, n-gram: a `stale` from the chat traffic's
+    wander 27 s before the switch to code; K1-3 confirmed on code, K3 kept where K5 is 4%
+    better). Four thresholds (60%): chat and code differ by about 85% there, while the old
+    traffic draining and the wander moved it by 30% in half of the re-profiles."""
     refit_interval_s: float = 30.0
     fit_window_s: float = 180.0
     half_life_s: float = 60.0
@@ -122,7 +137,7 @@ class _Sweep:
     confirm_started_s: float | None = None
     """When the confirmation's runs began (None: not planned yet)."""
     restarted: bool = False
-    """This re-profile is the second for one `stale`: the load moved under the first."""
+    """This re-profile is the second for one `stale`: the regime moved under the first."""
 
     @property
     def records_from_s(self) -> float:
@@ -233,8 +248,9 @@ class ClosedLoop:
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
-        blocks: list[int | None] = [None, *self.k_values]
-        lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(self.k_values)
+        ks = [*self.k_values, *self.k_values[::-1]]
+        blocks: list[int | None] = [None, *ks]
+        lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(ks)
         if cfg.confirm_block_s <= 0:
             blocks.append(None)
             lengths.append(cfg.reprofile_baseline_s)
@@ -253,8 +269,8 @@ class ClosedLoop:
         if index >= len(sweep.blocks) and sweep.confirm:
             self._plan_confirmation(sweep, now_s)
             index = int(np.searchsorted(np.cumsum(sweep.block_s), elapsed, side="right"))
-        if index >= len(sweep.blocks) and self._load_moved(sweep, now_s):
-            self._note(now_s, "reprofile_restarted", reason="the load moved during it")
+        if index >= len(sweep.blocks) and self._regime_moved(sweep, now_s):
+            self._note(now_s, "reprofile_restarted", reason="the regime moved during it")
             self._start_reprofile(now_s, restarted=True)
             return
         if index >= len(sweep.blocks):
@@ -262,6 +278,7 @@ class ClosedLoop:
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
             self._sweep = None
             self.state = LoopState.LIVE
+            self.drift.after_sweep(now_s)
             self._refit(now_s, reason="profile" if first else "stale", force=True,
                         k_values=sweep.confirmed or None)
             return
@@ -297,25 +314,48 @@ class ClosedLoop:
         sweep.block_s += [cfg.confirm_block_s] * (len(runs) + 1) + [cfg.reprofile_baseline_s]
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
-    def _load_moved(self, sweep: _Sweep, now_s: float) -> bool:
-        """Whether the load at the re-profile's end (its baseline block) is off the load its
-        sweep ran at by the drift detector's coverage factor: the confirmation then ran the
-        K values a sweep at another load pointed to (twin, EAGLE 8 -> 64 users in the middle
-        of a re-profile: K5-7 confirmed, K5 kept at 64 users where K3 is best, 4% lost for
-        the next minutes). Once per re-profile."""
+    def _regime_moved(self, sweep: _Sweep, now_s: float) -> bool:
+        """Whether the regime at the re-profile's end moved from the one its sweep ran in:
+        the load (median batch size) by the drift detector's coverage factor, or the
+        acceptance of the first draft position (comparable across K) by
+        `LoopConfig.regime_acceptance_factor` acceptance thresholds. The confirmation then
+        ran the K values a sweep of another regime pointed to (twin, EAGLE 8 -> 64 users in
+        the middle of a re-profile: K5-7 confirmed, K5 kept at 64 users where K3 is best, 4%
+        lost for the next minutes; n-gram, a re-profile started on chat that confirmed K1-3
+        on code). Once per re-profile."""
         if sweep.restarted or sweep.confirm_started_s is None:
             return False
         records = self._window(now_s, since_s=sweep.records_from_s)
         if records is None:
             return False
-        batch = records.column("batch_size").to_numpy()
         seconds = records.column("ts_ns").to_numpy() / 1e9
-        before = batch[seconds < sweep.confirm_started_s]
-        after = batch[seconds >= now_s - self.config.reprofile_baseline_s]
-        if before.size < 100 or after.size < 100:
+        before = seconds < sweep.confirm_started_s
+        after = seconds >= now_s - self.config.reprofile_baseline_s
+        # the load from the baseline's last quarter: a jump in its last seconds (EAGLE
+        # 8 -> 64 users 3 s before the refit) would not move the median of all of it
+        latest = seconds >= now_s - self.config.reprofile_baseline_s / 4
+        batch = records.column("batch_size").to_numpy()
+        if before.sum() < 100 or latest.sum() < 50:
             return False
-        low, high = sorted((float(np.median(before)), float(np.median(after))))
-        return high >= self.config.drift.coverage_factor * max(low, 1.0)
+        low, high = sorted((float(np.median(batch[before])), float(np.median(batch[latest]))))
+        if high >= self.config.drift.coverage_factor * max(low, 1.0):
+            return True
+        if self.config.regime_acceptance_factor <= 0:
+            return False
+        drafts = records.column("num_drafts").to_numpy().astype(np.float64)
+        drafted = drafts > 0
+        first = np.zeros(len(drafts))
+        if drafted.any():
+            lists = records.column("accepted_per_pos").filter(pa.array(drafted))
+            first[drafted] = pc.list_element(lists, 0).to_numpy(zero_copy_only=False)
+        rates = []
+        for part in (before & drafted, after & drafted):
+            if drafts[part].sum() < 200:
+                return False
+            rates.append(first[part].sum() / drafts[part].sum())
+        low, high = sorted(rates)
+        bar = self.config.regime_acceptance_factor * self.config.drift.acceptance_threshold
+        return low > 0 and high / low - 1.0 >= bar
 
     def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
         """The K a fit of the sweep's records puts first at the median batch size it ran

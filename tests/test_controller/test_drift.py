@@ -130,3 +130,39 @@ def test_a_table_without_prediction_is_not_watched() -> None:
     rng = np.random.default_rng(5)
     assert feed(detector, rng, range(0, 30), latency_factor=2.0) == []
     assert detector.state is DriftState.BLIND
+
+
+def test_after_a_sweep_only_a_large_acceptance_shift_is_drift() -> None:
+    """Minutes after a sweep measured the regime, a 20% acceptance dip is the workload's
+    wander and the table stays; a 40% one is a switch; once the period is over, 20% counts
+    again."""
+    rng = np.random.default_rng(6)
+    detector = fresh()
+    detector.after_sweep(0.0)
+    feed(detector, rng, range(0, 40))
+    assert feed(detector, rng, range(40, 120), acceptance_factor=0.8) == []
+    reports = feed(detector, rng, range(120, 180), acceptance_factor=0.6)
+    assert [r.signal for r in reports] == ["acceptance"]
+
+    late = fresh()
+    late.after_sweep(0.0)
+    feed(late, rng, range(0, 190))  # the period (180 s) ends
+    reports = feed(late, rng, range(190, 260), acceptance_factor=0.8)
+    assert [r.signal for r in reports] == ["acceptance"]
+
+
+def test_after_a_sweep_latency_and_misfit_keep_their_bars() -> None:
+    """The stricter period is for acceptance's wander: a 30% slowdown (a load jump shows
+    there first) and a table 20% off its own prediction from its first steps (fitted on
+    another regime) are still reported."""
+    rng = np.random.default_rng(7)
+    slower = fresh()
+    slower.after_sweep(0.0)
+    feed(slower, rng, range(0, 40))
+    reports = feed(slower, rng, range(40, 120), latency_factor=1.3)
+    assert [r.signal for r in reports] == ["latency"]
+
+    misfit = fresh()
+    misfit.after_sweep(0.0)
+    reports = feed(misfit, rng, range(0, 40), acceptance_factor=0.8)
+    assert [r.signal for r in reports] == ["acceptance"]

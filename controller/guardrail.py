@@ -80,10 +80,14 @@ class GuardrailConfig:
     baseline (a load jump): nothing will ever compare, and a watch holds back refits."""
     block_s: float = 5.0
     """Time blocks whose goodput spread sets the error of a window (see the module doc)."""
-    prior_variance_s: float = 0.005
-    """Prior of that spread, as the variance of log goodput times seconds (0.005: 12 s of
-    n-gram code edits vary by 2%, 5 s by 3%), worth `prior_dof` blocks: right after a
-    swap a window has a block or two, too few to say how much goodput wanders."""
+    prior_variance_s: float = 0.015
+    """Prior of that spread, as the variance of log goodput times seconds (0.015: 5 s vary
+    by 5.5%, 12 s by 3.5%), worth `prior_dof` blocks: right after a swap a window has a
+    block or two, too few to say how much goodput wanders. Under n-gram 12 s of unchanged
+    code edits vary by 2%, but a swap after a re-profile compares with 8 s of the stale
+    table right after forced blocks, and at 0.005 4 of 80 such swaps (twin, n-gram switches,
+    40 seeds) were rolled back at 0.89-0.91 of a baseline they matched, to the stale
+    table. The planted K=7 table (0.82 of its baseline) is rolled back as fast."""
     prior_dof: float = 2.0
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ def steps(rng: np.random.Generator, *, version: int, t0: float, n: int, goodput:
         latency_s=latency, version=np.full(n, version), forced=np.zeros(n, bool))
 
 
-def run(ratio: float, *, seed: int, chunks: int = 90) -> list[Verdict]:
+def run(ratio: float, *, seed: int, chunks: int = 150) -> list[Verdict]:
     """Baseline 60 s of version 1, swap to version 2 whose goodput is `ratio` x, then
     look after every 1 s chunk (sequential looks, as the loop does)."""
     rng = np.random.default_rng(seed)
@@ -79,7 +79,7 @@ def test_exploration_steps_do_not_count() -> None:
     for second in range(30):
         guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0))
     guard.arm(2, 1, at_s=30.0)
-    for second in range(30, 90):
+    for second in range(30, 180):
         chunk = steps(rng, version=2, t0=second, n=50, goodput=6000.0)
         forced = np.zeros(50, bool)
         forced[::5] = True  # probes look terrible; they and the step after are left out

@@ -4,6 +4,10 @@ tabletune beats the table it ran before the drift, held fixed."""
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
+
+from controller.loop import first_position_acceptance
 from fitter.profile_twin import MemorySink
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
 from producers.twin.config import DrafterConfig
@@ -163,3 +167,13 @@ def test_a_reprofile_the_workload_switched_under_starts_again() -> None:
     assert restarted and restarted[0] > 130.0, what
     after = [w for w, t, _ in what if t > restarted[0]]
     assert after[:2] == ["confirm", "refit"], what
+
+
+def test_first_position_acceptance_is_per_draft_whatever_the_k() -> None:
+    """Accepted first tokens over drafts, K1 and K3 steps alike; steps without drafts and
+    outside the mask do not count; too few drafts give no rate."""
+    records = pa.table({"num_drafts": [4, 4, 0, 4],
+                        "accepted_per_pos": [[2, 1, 0], [3], [], [4, 4, 4, 4, 4, 4, 4]]})
+    mask = np.array([True, True, True, False])
+    assert first_position_acceptance(records, mask, min_drafts=8) == 5 / 8
+    assert first_position_acceptance(records, mask, min_drafts=9) is None

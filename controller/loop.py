@@ -357,10 +357,11 @@ class ClosedLoop:
             return True
         if self.config.regime_acceptance_factor <= 0:
             return False
-        rates = [first_position_acceptance(records, part) for part in (before, after)]
-        if None in rates:
+        swept = first_position_acceptance(records, before)
+        ended = first_position_acceptance(records, after)
+        if swept is None or ended is None:
             return False
-        low, high = sorted(rate for rate in rates if rate is not None)
+        low, high = sorted((swept, ended))
         bar = self.config.regime_acceptance_factor * self.config.drift.acceptance_threshold
         return low > 0 and high / low - 1.0 >= bar
 

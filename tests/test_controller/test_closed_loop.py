@@ -131,16 +131,15 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
         assert abs(seconds - expected) < 1.0, (k, runs)
 
 
-def test_a_reprofile_the_load_moved_under_starts_again() -> None:
-    """The chat -> code switch starts a re-profile; the load drops 6x while its confirmation
-    runs, so the K values confirmed came from a sweep at another load: the loop says so and
-    sweeps again at the new load before it refits."""
+def assert_reprofile_restarted(scenario: Scenario) -> None:
+    """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
+    regime moved under it after 130 s (during its confirmation) and sweeps again: the next
+    decisions are a new confirmation, then the refit."""
     policy = TabletunePolicy()
-    run_scenario(ngram_chat_to_code(code_s=60, code_c8_s=120), policy)
+    run_scenario(scenario, policy)
     policy.close()
     assert policy.loop is not None
-    decisions = policy.loop.decisions
-    what = [(d["what"], d["t_s"]) for d in decisions
+    what = [(d["what"], d["t_s"]) for d in policy.loop.decisions
             if d["what"] in ("stale", "confirm", "reprofile_restarted", "refit")
             and d.get("reason") != "periodic" and d["t_s"] > 70.0]
     restarted = [t for w, t in what if w == "reprofile_restarted"]
@@ -149,24 +148,18 @@ def test_a_reprofile_the_load_moved_under_starts_again() -> None:
     assert after[:2] == ["confirm", "refit"], what
 
 
+def test_a_reprofile_the_load_moved_under_starts_again() -> None:
+    """The load drops 6x while the confirmation runs, so the K values confirmed came from a
+    sweep at another load."""
+    assert_reprofile_restarted(ngram_chat_to_code(code_s=60, code_c8_s=120))
+
+
 def test_a_reprofile_the_workload_switched_under_starts_again() -> None:
-    """The chat -> code switch starts a re-profile; the workload switches back to chat while
-    its confirmation runs (same load), so the K values confirmed came from a sweep of code
-    traffic: the first draft position's acceptance at the end is far off the sweep's, and the
-    loop sweeps again before it refits."""
-    policy = TabletunePolicy()
-    run_scenario(ngram_chat_to_code(code_s=60, chat_again_s=120, chat_again=NGRAM_CHAT_TRACE),
-                 policy)
-    policy.close()
-    assert policy.loop is not None
-    decisions = policy.loop.decisions
-    what = [(d["what"], d["t_s"], d.get("reason")) for d in decisions
-            if d["what"] in ("stale", "confirm", "reprofile_restarted", "refit")
-            and d.get("reason") != "periodic" and d["t_s"] > 70.0]
-    restarted = [t for w, t, _ in what if w == "reprofile_restarted"]
-    assert restarted and restarted[0] > 130.0, what
-    after = [w for w, t, _ in what if t > restarted[0]]
-    assert after[:2] == ["confirm", "refit"], what
+    """The workload switches back to chat while the confirmation runs (same load), so the K
+    values confirmed came from a sweep of code traffic: the first draft position's
+    acceptance at the end is far off the sweep's."""
+    assert_reprofile_restarted(ngram_chat_to_code(code_s=60, chat_again_s=120,
+                                                  chat_again=NGRAM_CHAT_TRACE))
 
 
 def test_first_position_acceptance_is_per_draft_whatever_the_k() -> None:

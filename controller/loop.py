@@ -201,8 +201,10 @@ class ClosedLoop:
         self._sweep = _Sweep(blocks, [cfg.profile_block_s] * len(blocks), now_s)
         self._note(now_s, "profile", blocks=len(blocks))
 
-    def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True) -> None:
-        """An envelope arrives from the tables topic (or the loop's own fit).
+    def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
+                after_drift: bool = False) -> None:
+        """An envelope arrives from the tables topic (or the loop's own fit); `after_drift`:
+        the loop's refit at the end of a re-profile (`Guardrail.arm`'s level shift).
 
         One from outside ends a re-profile in progress: the operator's (or a fleet
         fitter's) table runs now, under the guardrail, rather than after the sweep's refit
@@ -213,7 +215,7 @@ class ClosedLoop:
             self.state = LoopState.LIVE
             self._next_refit_s = now_s + self.config.refit_interval_s
             self._note(now_s, "reprofile_abandoned", version=envelope.version)
-        self._sync(now_s, guard=guard)
+        self._sync(now_s, guard=guard, after_drift=after_drift)
 
     def tick(self, now_s: float, records: pa.Table | None) -> None:
         """Once per control interval with the records recorded since the last tick."""
@@ -415,7 +417,8 @@ class ClosedLoop:
         self._fitted_range = (max(low, 1), max(high, 1))
         if self.mirror is not None:
             self.mirror(envelope)
-        self.publish(envelope, now_s, guard=reason != "profile")
+        self.publish(envelope, now_s, guard=reason != "profile",
+                     after_drift=reason == "stale")
 
     def _fit(self, records: pa.Table, now_s: float, *, reason: str, version: int,
              half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
@@ -458,7 +461,7 @@ class ClosedLoop:
             self._records.popleft()
 
     # ---- the switch -----------------------------------------------------------------------
-    def _sync(self, now_s: float, *, guard: bool) -> None:
+    def _sync(self, now_s: float, *, guard: bool, after_drift: bool = False) -> None:
         """Stage the agent's desired table if it is not the one running."""
         desired = self.agent.desired()
         version = 0 if desired is None else desired.version
@@ -475,13 +478,15 @@ class ClosedLoop:
         self._active_version = version
         self._staged = (version, now_s)
         self.applied.append((now_s, version, table))
+        watch = None
         if guard and previous != 0:
-            self.guardrail.arm(version, previous, now_s)
+            self.guardrail.arm(version, previous, now_s, after_drift=after_drift)
+            watch = "after_drift" if after_drift else "swap"
         else:
             self.guardrail.disarm()
         self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
                                 fitted_batch_range=self._fitted_range)
-        self._note(now_s, "stage", version=version, table=table.to_vllm())
+        self._note(now_s, "stage", version=version, table=table.to_vllm(), watch=watch)
 
     def _confirm_applied(self, now_s: float) -> None:
         if self._staged is None or self.switch.pending:

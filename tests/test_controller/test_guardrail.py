@@ -127,3 +127,35 @@ def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None
     assert Verdict.ROLL_BACK not in wave_run(GuardrailConfig())
     # per-step errors alone (one block per window) would call the crest a regression
     assert wave_run(GuardrailConfig(block_s=1e9, prior_dof=0.0))[-1] is Verdict.ROLL_BACK
+
+
+def crest_run(ratio: float, *, after_drift: bool, seconds: int = 60) -> list[Verdict]:
+    """8 s of the old table on a crest of the traffic (goodput 15% above its level), then
+    the new table at `ratio` x that level: steady within each window, so the blocks'
+    spread does not show the shift between them."""
+    rng = np.random.default_rng(5)
+    guard = Guardrail(GuardrailConfig())
+    for second in range(52, 60):
+        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0 * 1.15,
+                            noise=0.02))
+    guard.arm(2, 1, at_s=60.0, after_drift=after_drift)
+    verdicts = []
+    for second in range(60, 60 + seconds):
+        guard.observe(steps(rng, version=2, t0=second, n=50, goodput=6000.0 * ratio,
+                            noise=0.02))
+        verdicts.append(guard.verdict(second + 1.0))
+        if verdicts[-1] is not Verdict.HOLD:
+            break
+    return verdicts
+
+
+def test_after_a_drift_a_crest_in_the_baseline_does_not_roll_back_an_equal_table() -> None:
+    assert Verdict.ROLL_BACK not in crest_run(1.0, after_drift=True)
+    # the same comparison armed as any other swap calls the crest a regression
+    assert crest_run(1.0, after_drift=False)[-1] is Verdict.ROLL_BACK
+
+
+def test_after_a_drift_a_far_worse_table_is_still_rolled_back() -> None:
+    verdicts = crest_run(0.6, after_drift=True)
+    assert verdicts[-1] is Verdict.ROLL_BACK
+    assert len(verdicts) <= GuardrailConfig().warmup_s + 10

@@ -290,6 +290,7 @@ class Guardrail:
                 "ratio_upper": round(math.exp(log_ratio + cfg.z * sd), 4),
                 "ratio_lower": round(math.exp(log_ratio - cfg.z * sd), 4),
                 "threshold": cfg.threshold,
+                "level_shift_sd": watch.level_sd,
                 "buckets": [int(b) for b in np.flatnonzero(enough)],
                 "steps_new": int(watch.candidate[enough, 0].sum()),
                 "steps_old": int(watch.baseline[enough, 0].sum()),

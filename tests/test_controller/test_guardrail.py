@@ -129,7 +129,8 @@ def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None
     assert wave_run(GuardrailConfig(block_s=1e9, prior_dof=0.0))[-1] is Verdict.ROLL_BACK
 
 
-def crest_run(ratio: float, *, after_drift: bool, seconds: int = 60) -> list[Verdict]:
+def crest_run(ratio: float, *, after_drift: bool, seconds: int = 60
+              ) -> tuple[list[Verdict], dict[str, object]]:
     """8 s of the old table on a crest of the traffic (goodput 15% above its level), then
     the new table at `ratio` x that level: steady within each window, so the blocks'
     spread does not show the shift between them."""
@@ -146,16 +147,19 @@ def crest_run(ratio: float, *, after_drift: bool, seconds: int = 60) -> list[Ver
         verdicts.append(guard.verdict(second + 1.0))
         if verdicts[-1] is not Verdict.HOLD:
             break
-    return verdicts
+    return verdicts, guard.last_evidence
 
 
 def test_after_a_drift_a_crest_in_the_baseline_does_not_roll_back_an_equal_table() -> None:
-    assert Verdict.ROLL_BACK not in crest_run(1.0, after_drift=True)
+    verdicts, evidence = crest_run(1.0, after_drift=True)
+    assert Verdict.ROLL_BACK not in verdicts
+    assert evidence["level_shift_sd"] == GuardrailConfig().drift_level_sd > 0
     # the same comparison armed as any other swap calls the crest a regression
-    assert crest_run(1.0, after_drift=False)[-1] is Verdict.ROLL_BACK
+    verdicts, evidence = crest_run(1.0, after_drift=False)
+    assert verdicts[-1] is Verdict.ROLL_BACK and evidence["level_shift_sd"] == 0.0
 
 
 def test_after_a_drift_a_far_worse_table_is_still_rolled_back() -> None:
-    verdicts = crest_run(0.6, after_drift=True)
+    verdicts, _ = crest_run(0.6, after_drift=True)
     assert verdicts[-1] is Verdict.ROLL_BACK
     assert len(verdicts) <= GuardrailConfig().warmup_s + 10

@@ -17,9 +17,10 @@ long chats): 8 s of n-gram chat vary by 3% while their steps look like a 0.3% es
 So the log goodput of `block_s` blocks is compared around each window's mean, pooled over
 both windows, and a window's error is the larger of that and the per-step delta method.
 
-After a drift the baseline is a single short block of the stale table, minutes of the
-traffic's wander away from anything else it ran in the new regime: a swap armed
-`after_drift` adds a level shift (`GuardrailConfig.drift_level_sd`) to the error.
+After a drift the baseline is one short block of the stale table (its only steps in the
+new regime), and the traffic's wander between that block and the watch shifts goodput by a
+level that the blocks inside either window do not show: a swap armed `after_drift` adds that
+level shift (`GuardrailConfig.drift_level_sd`) to the error.
 
 Roll back only when the *upper* confidence bound of new/old goodput is below 1 - threshold:
 confident that the new table is worse by more than the threshold, so a table equal to the old
@@ -99,10 +100,11 @@ class GuardrailConfig:
     baseline block, the one window of it in the new regime. Between that block and the watch
     the traffic's own wander moves goodput by a level that no watch length averages away
     (twin, n-gram chat, seed 55: first-position acceptance 0.40 in the baseline block and
-    0.26 fifteen seconds later, at one table). Without it, 3 of 120 n-gram re-profile picks
+    0.26 ten seconds after it, at one table). Without it, 3 of 120 n-gram re-profile picks
     (seeds 1-60) were rolled back (seeds 46 and 55 at 0.89 and 0.85 of such a crest) to the
-    table the detector had just called stale, and a second re-profile followed. With 0.04 the stale table comes
-    back only for a pick worse by more than about 14%. 0 = compare as any other swap."""
+    table the detector had just called stale, and a second re-profile followed. With 0.04
+    the stale table comes back only for a pick worse by more than about 14%. 0 = compare
+    as any other swap."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:

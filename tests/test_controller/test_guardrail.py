@@ -3,6 +3,8 @@ comparable evidence (same batch-size buckets) before judging."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -101,26 +103,37 @@ def test_config_rejects_nonsense() -> None:
         GuardrailConfig(threshold=0.0)
 
 
-def wave_run(config: GuardrailConfig) -> list[Verdict]:
-    """An equal table, but goodput moves in slow waves (which requests the batch holds),
-    and the 8 s baseline caught a crest, the first watched seconds a trough."""
-    rng = np.random.default_rng(11)
+def watch_after_8s_baseline(config: GuardrailConfig, goodput: Callable[[int, int], float], *,
+                            seed: int, after_drift: bool = False
+                            ) -> tuple[list[Verdict], dict[str, object]]:
+    """8 s of version 1, a swap to version 2 armed at 60 s, then a look after every 1 s
+    chunk for up to 60 s; `goodput(version, second)` sets each chunk's level."""
+    rng = np.random.default_rng(seed)
 
     def chunk(version: int, second: int) -> StepColumns:
-        wave = 1.0 + 0.05 * np.cos(2 * np.pi * (second - 56) / 28.0)
-        return steps(rng, version=version, t0=second, n=50, goodput=6000.0 * wave, noise=0.02)
+        return steps(rng, version=version, t0=second, n=50, goodput=goodput(version, second),
+                     noise=0.02)
 
     guard = Guardrail(config)
     for second in range(52, 60):
         guard.observe(chunk(1, second))
-    guard.arm(2, 1, at_s=60.0)
+    guard.arm(2, 1, at_s=60.0, after_drift=after_drift)
     verdicts = []
     for second in range(60, 120):
         guard.observe(chunk(2, second))
         verdicts.append(guard.verdict(second + 1.0))
         if verdicts[-1] is not Verdict.HOLD:
             break
-    return verdicts
+    return verdicts, guard.last_evidence
+
+
+def wave_run(config: GuardrailConfig) -> list[Verdict]:
+    """An equal table, but goodput moves in slow waves (which requests the batch holds),
+    and the 8 s baseline caught a crest, the first watched seconds a trough."""
+    def wave(version: int, second: int) -> float:
+        return 6000.0 * (1.0 + 0.05 * np.cos(2 * np.pi * (second - 56) / 28.0))
+
+    return watch_after_8s_baseline(config, wave, seed=11)[0]
 
 
 def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None:
@@ -129,25 +142,15 @@ def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None
     assert wave_run(GuardrailConfig(block_s=1e9, prior_dof=0.0))[-1] is Verdict.ROLL_BACK
 
 
-def crest_run(ratio: float, *, after_drift: bool, seconds: int = 60
+def crest_run(ratio: float, *, after_drift: bool
               ) -> tuple[list[Verdict], dict[str, object]]:
     """8 s of the old table on a crest of the traffic (goodput 15% above its level), then
     the new table at `ratio` x that level: steady within each window, so the blocks'
     spread does not show the shift between them."""
-    rng = np.random.default_rng(5)
-    guard = Guardrail(GuardrailConfig())
-    for second in range(52, 60):
-        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0 * 1.15,
-                            noise=0.02))
-    guard.arm(2, 1, at_s=60.0, after_drift=after_drift)
-    verdicts = []
-    for second in range(60, 60 + seconds):
-        guard.observe(steps(rng, version=2, t0=second, n=50, goodput=6000.0 * ratio,
-                            noise=0.02))
-        verdicts.append(guard.verdict(second + 1.0))
-        if verdicts[-1] is not Verdict.HOLD:
-            break
-    return verdicts, guard.last_evidence
+    def level(version: int, second: int) -> float:
+        return 6000.0 * (1.15 if version == 1 else ratio)
+
+    return watch_after_8s_baseline(GuardrailConfig(), level, seed=5, after_drift=after_drift)
 
 
 def test_after_a_drift_a_crest_in_the_baseline_does_not_roll_back_an_equal_table() -> None:

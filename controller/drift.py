@@ -7,9 +7,11 @@ the report's fields so the fitter refits. Three signals, each with its magnitude
 - latency: log(observed / predicted) step latency on pure-decode steps that verified and
   proposed the table's K (the envelope's `surface.latency_s`, interpolated in batch size);
   context growth, a new kernel or a throttled GPU all show here;
-- acceptance: tokens per drafting request, observed over predicted (`surface.acceptance_length`
-  at the K the step verified, exploration steps included since they are honest samples);
-  a change in the workload mix shows here;
+- acceptance: tokens per drafting request, observed over predicted at the K the step
+  verified (exploration steps included since they are honest samples); a change in the
+  workload mix shows here. The prediction is the one the envelope's goodput used
+  (`drafting_request_tokens`): the pooled acceptance length corrected by the sustained
+  yield, not the pooled one alone;
 - coverage: the share of steps at batch sizes far outside the ones the table was fitted on
   (a load jump: the table there is an extrapolation however good the residuals look).
 
@@ -70,8 +72,19 @@ class DriftConfig:
     """A table whose own reference misses its prediction by this many thresholds is stale
     from the start (see `DriftDetector._misfit_report`); below that the miss is the fit's
     bias, learned as the reference. One threshold: a miss as large as a drift is one (a
-    re-profile that straddled a workload switch fitted the old workload; the closed loop's
-    sound fits miss acceptance by at most 14% in the twin's drift scenarios)."""
+    re-profile that straddled a workload switch fitted the old workload and misses
+    acceptance by 40-70%; a first table from a cold profile's 2 s blocks missed by 14% and
+    its re-profile mended it, twin EAGLE seed 14)."""
+    confirmed_misfit_factor: float = 1.5
+    """The same for the table fitted at the end of a re-profile whose confirmation ran its
+    K values steadily (`after_sweep(confirmed=True)`): their yield was measured, not
+    extrapolated, and what is left of a miss is the closed loop's wander over the 20 s
+    reference. Those refits miss acceptance by a log sd of 0.066 around +0.01, out to 16%
+    (twin, n-gram switches, seeds 1-40, 83 refits); at one threshold 3 of the 83 were
+    called stale 22 s after their swap and re-profiled inside the phase, at 1.5 (22.5%,
+    three sd) none. Before the prediction carried the sustained yield
+    (`drafting_request_tokens`) those fits missed by -4% on average, out to -22%, and no
+    factor separated them from a straddle."""
     after_sweep_s: float = 180.0
     after_sweep_factor: float = 2.0
     """For `after_sweep_s` after a sweep over every K measured the regime (`after_sweep`),
@@ -113,6 +126,25 @@ class DriftReport:
 _STATS = 8  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps
 
 
+def drafting_request_tokens(surface: Mapping[str, Any], column: int) -> float:
+    """Tokens a drafting request emits per step at the surface's `column`-th K, as the
+    envelope's goodput predicted them: 1 + (AL - 1) c(K), recovered from its tokens per
+    decode request (1 + s (AL - 1) c(K)) and draft share s.
+
+    The pooled acceptance length AL alone leaves out the sustained-yield factor c(K)
+    (`fitter.surface.sustained`), which under n-gram falls by about 8% per K: a table at K7
+    after a re-profile centred near K4 accepted 13-20% less than AL said from its first
+    steps (twin, n-gram code, 6 of 80 phases), the misfit check called it stale 22 s after
+    the swap, and a second re-profile ran inside the phase. Envelopes without the fields
+    fall back to AL."""
+    pooled = float(surface["acceptance_length"][column])
+    tokens = surface.get("tokens_per_request")
+    share = surface.get("draft_share")
+    if tokens is None or not share or share <= 0:
+        return pooled
+    return 1.0 + (float(tokens[column]) - 1.0) / float(share)
+
+
 class DriftDetector:
     def __init__(self, max_batch: int, config: DriftConfig | None = None) -> None:
         self.config = config or DriftConfig()
@@ -126,6 +158,10 @@ class DriftDetector:
         self._since_s = 0.0
         self._reported_s = 0.0
         self._strict_until_s = -math.inf
+        self._next_confirmed = False
+        """The next envelope is the refit of a confirmed re-profile (`after_sweep`)."""
+        self._misfit_factor = self.config.misfit_factor
+        """The active envelope's misfit factor."""
         self._window: deque[tuple[float, NDArray[np.float64]]] = deque()
         """(chunk end, summed stats of the chunk), newest last."""
         self._ref_lat = 0.0
@@ -146,6 +182,9 @@ class DriftDetector:
         self._ref_se = (0.0, 0.0)
         self._ref_lat = self._ref_acc = 0.0
         self._fitted_range = fitted_batch_range
+        self._misfit_factor = (self.config.confirmed_misfit_factor if self._next_confirmed
+                               else self.config.misfit_factor)
+        self._next_confirmed = False
         if not surface or "latency_s" not in surface:
             self._latency = self._al = None
             self.state = DriftState.BLIND
@@ -158,14 +197,17 @@ class DriftDetector:
         grid = np.arange(self.max_batch + 1, dtype=np.float64)
         for j, k in enumerate(k_values):
             dense[:, k] = np.log(np.interp(grid, batch, latency[:, j]))
-            al[k] = float(surface["acceptance_length"][j])
+            al[k] = drafting_request_tokens(surface, j)
         self._latency, self._al = dense, al
         self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
 
-    def after_sweep(self, now_s: float) -> None:
+    def after_sweep(self, now_s: float, *, confirmed: bool = False) -> None:
         """A sweep over every K just measured the regime: raise the bars for a while (see
-        `DriftConfig.after_sweep_factor`)."""
+        `DriftConfig.after_sweep_factor`). `confirmed`: its confirmation ran the next
+        table's K values steadily, and that table's misfit check takes
+        `DriftConfig.confirmed_misfit_factor`."""
         self._strict_until_s = now_s + self.config.after_sweep_s
+        self._next_confirmed = confirmed
 
     def _bar(self, signal: str, threshold: float, now_s: float) -> float:
         """The log shift `signal` must pass at `now_s`."""
@@ -253,7 +295,7 @@ class DriftDetector:
                 ("latency", 0, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
                 ("acceptance", 3, self._ref_acc, self._ref_se[1], cfg.acceptance_threshold)):
             if (self._ref_stats[column] >= cfg.min_steps
-                    and abs(value) >= math.log1p(cfg.misfit_factor * threshold)
+                    and abs(value) >= math.log1p(self._misfit_factor * threshold)
                     and se > 0 and abs(value) / se >= cfg.z):
                 return DriftReport(signal, math.expm1(value), abs(value) / se,
                                    int(self._ref_stats[7]), self.version)

@@ -298,7 +298,7 @@ class ClosedLoop:
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
             self._sweep = None
             self.state = LoopState.LIVE
-            self.drift.after_sweep(now_s)
+            self.drift.after_sweep(now_s, confirmed=bool(sweep.confirmed))
             self._refit(now_s, reason="profile" if first else "stale", force=True,
                         k_values=sweep.confirmed or None)
             return

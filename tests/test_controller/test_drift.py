@@ -100,6 +100,37 @@ def test_a_constant_misfit_is_learned_as_the_reference() -> None:
     assert feed(detector, rng, range(0, 120), latency_factor=1.08) == []
 
 
+@pytest.mark.parametrize("factor", [0.84, 1.17])
+def test_a_confirmed_refits_miss_is_learned_unless_it_straddled(factor: float) -> None:
+    """16-17% off from the start: the tail of the refits that end a confirmed re-profile
+    (twin, n-gram), whose yield the confirmation measured; under
+    `confirmed_misfit_factor` thresholds, learned. Any other table (a cold profile's) that
+    far off is stale, and so is a confirmed refit 40% off (a re-profile that straddled a
+    workload switch)."""
+    rng = np.random.default_rng(3)
+    confirmed = DriftDetector(max_batch=128)
+    confirmed.after_sweep(0.0, confirmed=True)
+    confirmed.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48))
+    assert feed(confirmed, rng, range(0, 120), acceptance_factor=factor) == []
+    assert confirmed.state is DriftState.WATCHING
+
+    profiled = fresh()
+    profiled.after_sweep(0.0)
+    reports = feed(profiled, rng, range(0, 40), acceptance_factor=factor)
+    assert [r.signal for r in reports] == ["acceptance"]
+
+    straddled = DriftDetector(max_batch=128)
+    straddled.after_sweep(0.0, confirmed=True)
+    straddled.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48))
+    reports = feed(straddled, rng, range(0, 40), acceptance_factor=0.6)
+    assert [r.signal for r in reports] == ["acceptance"]
+
+    # the factor is the envelope's after the sweep, not every later one's
+    confirmed.set_envelope(7, surface(), at_s=120.0, fitted_batch_range=(16, 48))
+    later = feed(confirmed, rng, range(120, 160), acceptance_factor=factor)
+    assert [r.signal for r in later] == ["acceptance"]
+
+
 @pytest.mark.parametrize("factor", [0.6, 1.2])
 def test_a_table_far_off_its_own_prediction_from_the_start_is_stale(factor: float) -> None:
     """40% or 20% off from the first steps (more than a drift threshold): fitted on another
@@ -110,6 +141,29 @@ def test_a_table_far_off_its_own_prediction_from_the_start_is_stale(factor: floa
     assert [r.signal for r in reports] == ["acceptance"]
     assert reports[0].magnitude == pytest.approx(factor - 1, abs=0.08)
     assert detector.state is DriftState.STALE
+
+
+@pytest.mark.parametrize("with_yield", [True, False])
+def test_the_prediction_is_the_goodputs_with_its_sustained_yield(with_yield: bool) -> None:
+    """At a K far from the sweep's, a closed loop accepts less than the pooled acceptance
+    length says; the envelope's goodput carried that (tokens per request with the sustained
+    factor, here 0.6 at K = 2 with draft share 0.5), and the detector checks that
+    prediction. Steps that meet it are not a misfit; checked against the pooled AL alone
+    (an envelope without the fields) the same steps are 29% short and stale at once."""
+    rng = np.random.default_rng(3)
+    share, factor = 0.5, [1.0, 0.6, 0.6, 0.6]
+    tokens = [1.0 + share * (al - 1.0) * c for al, c in zip(AL, factor, strict=True)]
+    corrected = 1.0 + (AL[2] - 1.0) * factor[2]
+    detector = DriftDetector(max_batch=128)
+    fields = {"tokens_per_request": tokens, "draft_share": share} if with_yield else {}
+    detector.set_envelope(7, {**surface(), **fields}, at_s=0.0, fitted_batch_range=(16, 48))
+    reports = feed(detector, rng, range(0, 60), acceptance_factor=corrected / AL[2])
+    if with_yield:
+        assert reports == []
+        assert detector.state is DriftState.WATCHING
+    else:
+        assert [r.signal for r in reports] == ["acceptance"]
+        assert reports[0].magnitude == pytest.approx(corrected / AL[2] - 1, abs=0.05)
 
 
 def test_load_outside_the_fitted_range_is_flagged() -> None:

@@ -83,8 +83,8 @@ class DriftConfig:
     (twin, n-gram switches, seeds 1-40, 83 refits); at one threshold 3 of the 83 were
     called stale 22 s after their swap and re-profiled inside the phase, at 1.5 (22.5%,
     three sd) none. Before the prediction carried the sustained yield
-    (`drafting_request_tokens`) those fits missed by -4% on average, out to -22%, and no
-    factor separated them from a straddle."""
+    (`drafting_request_tokens`) those fits missed by -4% on average, out to -22%: 1.5
+    would have left the largest of them stale."""
     after_sweep_s: float = 180.0
     after_sweep_factor: float = 2.0
     """For `after_sweep_s` after a sweep over every K measured the regime (`after_sweep`),
@@ -95,9 +95,9 @@ class DriftConfig:
     of the minute window against the reference came up in 7 of 40 phases within three
     minutes of a re-profile, each starting another (1-2% of those minutes). A real workload
     switch moves acceptance by 30-45%. Latency and coverage keep their bars: a load jump
-    right after a re-profile shows there first. The misfit check (`misfit_factor`) keeps
-    its one threshold too: a table that a re-profile straddling a switch fitted misses its
-    own prediction from the start."""
+    right after a re-profile shows there first. The misfit check keeps its own factors
+    (`misfit_factor`, `confirmed_misfit_factor`): a table that a re-profile straddling a
+    switch fitted misses its own prediction by 40-70% from the start."""
     z: float = 5.0
     min_steps: int = 200
     renotify_s: float = 60.0

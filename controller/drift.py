@@ -77,7 +77,7 @@ class DriftConfig:
     its re-profile mended it, twin EAGLE seed 14)."""
     confirmed_misfit_factor: float = 1.5
     """The same for the table fitted at the end of a re-profile whose confirmation ran its
-    K values steadily (`after_sweep(confirmed=True)`): their yield was measured, not
+    K values steadily (`set_envelope(confirmed=True)`): their yield was measured, not
     extrapolated, and what is left of a miss is the closed loop's wander over the 20 s
     reference. Those refits miss acceptance by a log sd of 0.066 around +0.01, out to 16%
     (twin, n-gram switches, seeds 1-40, 83 refits); at one threshold 3 of the 83 were
@@ -158,8 +158,6 @@ class DriftDetector:
         self._since_s = 0.0
         self._reported_s = 0.0
         self._strict_until_s = -math.inf
-        self._next_confirmed = False
-        """The next envelope is the refit of a confirmed re-profile (`after_sweep`)."""
         self._misfit_factor = self.config.misfit_factor
         """The active envelope's misfit factor."""
         self._window: deque[tuple[float, NDArray[np.float64]]] = deque()
@@ -172,8 +170,11 @@ class DriftDetector:
         """Standard errors of the reference's latency and acceptance means."""
 
     def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
-                     fitted_batch_range: tuple[int, int] | None = None) -> None:
-        """A table became active at `at_s`; `surface` is its envelope's (None: no prediction)."""
+                     fitted_batch_range: tuple[int, int] | None = None,
+                     confirmed: bool = False) -> None:
+        """A table became active at `at_s`; `surface` is its envelope's (None: no prediction).
+        `confirmed`: the refit that ends a re-profile, chosen among K values its
+        confirmation ran steadily (`DriftConfig.confirmed_misfit_factor`)."""
         self.version = version
         self._window.clear()
         self._since_s = at_s
@@ -182,9 +183,8 @@ class DriftDetector:
         self._ref_se = (0.0, 0.0)
         self._ref_lat = self._ref_acc = 0.0
         self._fitted_range = fitted_batch_range
-        self._misfit_factor = (self.config.confirmed_misfit_factor if self._next_confirmed
+        self._misfit_factor = (self.config.confirmed_misfit_factor if confirmed
                                else self.config.misfit_factor)
-        self._next_confirmed = False
         if not surface or "latency_s" not in surface:
             self._latency = self._al = None
             self.state = DriftState.BLIND
@@ -201,13 +201,10 @@ class DriftDetector:
         self._latency, self._al = dense, al
         self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
 
-    def after_sweep(self, now_s: float, *, confirmed: bool = False) -> None:
+    def after_sweep(self, now_s: float) -> None:
         """A sweep over every K just measured the regime: raise the bars for a while (see
-        `DriftConfig.after_sweep_factor`). `confirmed`: its confirmation ran the next
-        table's K values steadily, and that table's misfit check takes
-        `DriftConfig.confirmed_misfit_factor`."""
+        `DriftConfig.after_sweep_factor`)."""
         self._strict_until_s = now_s + self.config.after_sweep_s
-        self._next_confirmed = confirmed
 
     def _bar(self, signal: str, threshold: float, now_s: float) -> float:
         """The log shift `signal` must pass at `now_s`."""

@@ -298,7 +298,7 @@ class ClosedLoop:
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
             self._sweep = None
             self.state = LoopState.LIVE
-            self.drift.after_sweep(now_s, confirmed=bool(sweep.confirmed))
+            self.drift.after_sweep(now_s)
             self._refit(now_s, reason="profile" if first else "stale", force=True,
                         k_values=sweep.confirmed or None)
             return
@@ -487,8 +487,11 @@ class ClosedLoop:
             watch = "after_drift" if after_drift else "swap"
         else:
             self.guardrail.disarm()
+        # the refit that ends a re-profile was chosen among the K its confirmation ran
+        confirmed = (after_drift and desired is not None
+                     and "chosen_among_k" in desired.provenance)
         self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
-                                fitted_batch_range=self._fitted_range)
+                                fitted_batch_range=self._fitted_range, confirmed=confirmed)
         self._note(now_s, "stage", version=version, table=table.to_vllm(), watch=watch)
 
     def _confirm_applied(self, now_s: float) -> None:

@@ -109,8 +109,9 @@ def test_a_confirmed_refits_miss_is_learned_unless_it_straddled(factor: float) -
     workload switch)."""
     rng = np.random.default_rng(3)
     confirmed = DriftDetector(max_batch=128)
-    confirmed.after_sweep(0.0, confirmed=True)
-    confirmed.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48))
+    confirmed.after_sweep(0.0)
+    confirmed.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48),
+                           confirmed=True)
     assert feed(confirmed, rng, range(0, 120), acceptance_factor=factor) == []
     assert confirmed.state is DriftState.WATCHING
 
@@ -120,12 +121,13 @@ def test_a_confirmed_refits_miss_is_learned_unless_it_straddled(factor: float) -
     assert [r.signal for r in reports] == ["acceptance"]
 
     straddled = DriftDetector(max_batch=128)
-    straddled.after_sweep(0.0, confirmed=True)
-    straddled.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48))
+    straddled.after_sweep(0.0)
+    straddled.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48),
+                           confirmed=True)
     reports = feed(straddled, rng, range(0, 40), acceptance_factor=0.6)
     assert [r.signal for r in reports] == ["acceptance"]
 
-    # the factor is the envelope's after the sweep, not every later one's
+    # the factor is that envelope's, not every later one's
     confirmed.set_envelope(7, surface(), at_s=120.0, fitted_batch_range=(16, 48))
     later = feed(confirmed, rng, range(120, 160), acceptance_factor=factor)
     assert [r.signal for r in later] == ["acceptance"]

@@ -114,9 +114,9 @@ class LoopConfig:
     many of the drift detector's acceptance thresholds (0 = never): the confirmation then
     ran the K values a sweep of another workload pointed to (twin, n-gram: a `stale` from
     the chat traffic's wander 27 s before the switch to code; K1-3 confirmed on code, K3
-    kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about 90% there (twin traces);
-    the old traffic draining moved it by up to 62%, and at two thresholds 22 of 80 n-gram
-    re-profiles restarted."""
+    kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about 90%
+    there (twin traces); the old traffic draining moved it by up to 62%, and at two
+    thresholds 22 of 80 n-gram re-profiles restarted."""
     refit_interval_s: float = 30.0
     fit_window_s: float = 180.0
     half_life_s: float = 60.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from controller.loop import first_position_acceptance
+from controller.loop import confirmation_k_values, first_position_acceptance
 from fitter.profile_twin import MemorySink
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
 from producers.twin.config import DrafterConfig
@@ -85,6 +85,15 @@ def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
     assert tt_rate > 1.02 * stale_rate, (tt_rate, stale_rate, policy.loop.decisions)
 
 
+def test_the_confirmation_runs_three_k_values_even_at_the_ends_of_the_k_set() -> None:
+    every_k = tuple(range(8))
+    assert confirmation_k_values(every_k, 4) == (3, 4, 5)
+    assert confirmation_k_values(every_k, 7) == (5, 6, 7)  # not (6, 7): K5 may be best
+    assert confirmation_k_values(every_k, 0) == (0, 1, 2)
+    assert confirmation_k_values((0, 2, 4), 4) == (0, 2, 4)  # neighbours in the K set
+    assert confirmation_k_values((0, 4), 4) == (0, 4)  # fewer K values than the width
+
+
 def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     """After `stale`: every K for a short block, up and back down, then long mirrored runs
     at the K the short sweep points to and its neighbours, then the refit; the forced steps
@@ -104,7 +113,7 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     stage = next(d for d in decisions if d["what"] == "stage" and d["t_s"] >= refit["t_s"])
     assert stage["watch"] == "after_drift"
     k_values = confirm["k_values"]
-    assert len(k_values) >= 2 and k_values == list(range(k_values[0], k_values[-1] + 1))
+    assert len(k_values) == 3 and k_values == list(range(k_values[0], k_values[-1] + 1))
 
     config = policy.loop.config
     records = sink.table()

@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
+from controller.loop import CHOSEN_AMONG_K  # noqa: E402
 from producers.twin import (  # noqa: E402
     FixedK,
     Policy,
@@ -80,7 +81,7 @@ class OracleChoice(TabletunePolicy):
 
         def pick_oracle(records: Any, **kwargs: Any) -> TableEnvelope:
             best = self.best_k_at(kwargs["now_ns"] / 1e9)
-            if kwargs.get("provenance", {}).get("chosen_among_k") and best is not None:
+            if kwargs.get("provenance", {}).get(CHOSEN_AMONG_K) and best is not None:
                 kwargs = {**kwargs, "startup_k_values": (best,)}
             return fit(records, **kwargs)
 

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 Fit = Callable[..., TableEnvelope]
 """fit(records, *, key, max_k, max_batch, startup_k_values, version, half_life_s, ...)."""
 
+CHOSEN_AMONG_K = "chosen_among_k"
+"""Provenance key of the refit that ends a re-profile: the K values its confirmation ran and
+the table was chosen among (the drift detector's `confirmed` factor keys on it)."""
+
 
 def first_position_acceptance(records: pa.Table, mask: np.ndarray,
                               min_drafts: int = 200) -> float | None:
@@ -415,7 +419,7 @@ class ClosedLoop:
         envelope = self._fit(records, now_s, reason=reason, version=version,
                              half_life_s=None if reason == "profile" else cfg.half_life_s,
                              tolerance=cfg.tolerance, k_values=k_values or self.k_values,
-                             provenance={"chosen_among_k": list(k_values)} if k_values else {})
+                             provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {})
         if envelope is None:
             return
         if reason in ("profile", "stale"):
@@ -500,7 +504,7 @@ class ClosedLoop:
             self.guardrail.disarm()
         # the refit that ends a re-profile was chosen among the K its confirmation ran
         confirmed = (after_drift and desired is not None
-                     and "chosen_among_k" in desired.provenance)
+                     and CHOSEN_AMONG_K in desired.provenance)
         self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
                                 fitted_batch_range=self._fitted_range, confirmed=confirmed)
         self._note(now_s, "stage", version=version, table=table.to_vllm(), watch=watch)

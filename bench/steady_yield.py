@@ -15,7 +15,7 @@ Per case (a scenario, a time in its new phase and the K the stale table ran ther
   count at each position per decode request is pooled as the fitter's acceptance model
   does;
 - "pooled": the chain of those positions, sum of q_1..q_K (what the fitter's acceptance model
-  predicts before the composition factor);
+  predicts before the sustained-yield line corrects it);
 - "mixture": requests of per-request rate a accept position i with a^i; the arrivals are
   a mixture over a grid of rates (rate 0 = never accepts) fitted by non-negative least
   squares to the sweep's q_i as seen on a batch the stale K kept (type j in proportion to

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
 from controller.loop import CHOSEN_AMONG_K  # noqa: E402
+from fitter.profile import BUILTIN_SCENARIOS as SCENARIOS  # noqa: E402
 from producers.twin import (  # noqa: E402
     FixedK,
     Policy,
@@ -42,7 +43,6 @@ from producers.twin import (  # noqa: E402
 from producers.twin.tabletune_policy import TabletunePolicy  # noqa: E402
 from schemas import DraftTable, TableEnvelope  # noqa: E402
 
-SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
 DRIFT = ("chat-code-chat-ngram.toml", "eagle-concurrency-jump.toml", "context-growth.toml")
 SETTLE_S = 120.0
 MIN_LOSS = 0.01

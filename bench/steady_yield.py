@@ -42,12 +42,12 @@ from scipy.optimize import nnls
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
+from fitter.profile import BUILTIN_SCENARIOS as SCENARIOS  # noqa: E402
 from producers.twin import build_engine, load_scenario  # noqa: E402
 from producers.twin.engine import StepStats, TwinEngine  # noqa: E402
 from producers.twin.policies import Policy  # noqa: E402
 from schemas import DraftTable  # noqa: E402
 
-SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
 K_VALUES = tuple(range(1, 8))
 TRUTH_S = 140.0
 CASES: dict[str, tuple[str, float, int]] = {
@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, float, int]] = {
 
 
 class ScriptedK(Policy):
-    """Runs K by a schedule of (from virtual second, K), forced like a profile."""
+    """Runs K by a schedule of (from virtual second, K), each a one-range table."""
 
     step_interval = 1
 

@@ -15,12 +15,12 @@ Per case (a scenario, a time in its new phase and the K the stale table ran ther
   count at each position per decode request is pooled as the fitter's acceptance model
   does;
 - "pooled": the chain of those positions, sum of q_1..q_K (what the fitter's acceptance model
-  predicts before the sustained-yield line corrects it);
-- "mixture": requests of per-request rate a accept position i with a^i; the arrivals are
-  a mixture over a grid of rates (rate 0 = never accepts) fitted by non-negative least
-  squares to the sweep's q_i as seen on a batch the stale K kept (type j in proportion to
-  f_j / tau_j(K)), then evaluated on the batch each K keeps: 1 / sum_j f_j / tau_j(K) - 1,
-  with tau(a, K) = 1 + a + ... + a^K.
+  predicts before the composition factor);
+- "mixture" (the fitter's `fitter.surface.composition`): requests of per-request rate a
+  accept position i with a^i; the arrivals are a mixture over a grid of rates (rate 0 =
+  never accepts) fitted by non-negative least squares to the sweep's q_i as seen on a batch
+  the stale K kept (type j in proportion to f_j / tau_j(K)), then evaluated on the batch
+  each K keeps: 1 / sum_j f_j / tau_j(K) - 1, with tau(a, K) = 1 + a + ... + a^K.
 Both are compared with the truth relative to the stale K (the level there is what live
 telemetry measures well), and as a pick: the K with the best goodput when the truth's
 latency is combined with each prediction, and what that K loses against the best.
@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
 from fitter.profile import BUILTIN_SCENARIOS as SCENARIOS  # noqa: E402
+from fitter.surface.composition import CompositionModel  # noqa: E402
 from producers.twin import build_engine, load_scenario  # noqa: E402
 from producers.twin.engine import StepStats, TwinEngine  # noqa: E402
 from producers.twin.policies import Policy  # noqa: E402
@@ -99,20 +99,12 @@ def steady(steps: list[StepStats], start_s: float, end_s: float) -> tuple[float,
     return accepted / max(decode, 1), sum(s.emitted_tokens for s in chosen) / (end_s - start_s)
 
 
-def tokens_per_step(rates: np.ndarray, k: float) -> np.ndarray:
-    safe = np.minimum(rates, 1.0 - 1e-9)
-    return np.where(rates > 0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe), 1.0)
-
-
 def mixture_prediction(per_position: np.ndarray, shaped_k: int) -> dict[int, float]:
-    rates = np.concatenate([[0.0], np.linspace(0.05, 0.995, 95)])
-    powers = rates[None, :] ** np.arange(1, per_position.size + 1)[:, None]
-    big = 100.0  # the shares of the batch sum to one
-    share, _ = nnls(np.vstack([powers, np.full(rates.size, big)]),
-                    np.concatenate([per_position, [big]]))
-    arrival = share * tokens_per_step(rates, shaped_k)
-    arrival /= arrival.sum()
-    return {k: float(1.0 / (arrival / tokens_per_step(rates, k)).sum() - 1.0) for k in K_VALUES}
+    """The fitter's composition model, fitted to the sweep as seen on the stale K's batch."""
+    positions = np.arange(1, per_position.size + 1)
+    model = CompositionModel().fit(
+        np.column_stack([positions, np.full(positions.size, float(shaped_k))]), per_position)
+    return {k: float(model.predict([k])[0]) for k in K_VALUES}
 
 
 def measure(case: str, seed: int) -> dict[str, Any]:

@@ -10,8 +10,8 @@ the report's fields so the fitter refits. Three signals, each with its magnitude
 - acceptance: tokens per drafting request, observed over predicted at the K the step
   verified (exploration steps included since they are honest samples); a change in the
   workload mix shows here. The prediction is the one the envelope's goodput used
-  (`drafting_request_tokens`): the pooled acceptance length corrected by the sustained
-  yield, not the pooled one alone;
+  (`drafting_request_tokens`): the pooled acceptance length corrected for the batch the
+  K keeps, not the pooled one alone;
 - coverage: the share of steps at batch sizes far outside the ones the table was fitted on
   (a load jump: the table there is an extrapolation however good the residuals look).
 
@@ -82,9 +82,9 @@ class DriftConfig:
     reference. Those refits miss acceptance by a log sd of 0.066 around +0.01, out to 16%
     (twin, n-gram switches, seeds 1-40, 83 refits); at one threshold 3 of the 83 were
     called stale 22 s after their swap and re-profiled inside the phase, at 1.5 (22.5%,
-    three sd) none. Before the prediction carried the sustained yield
-    (`drafting_request_tokens`) those fits missed by -4% on average, out to -22%: 1.5
-    would have left the largest of them stale."""
+    three sd) none. Before the prediction carried the composition factor
+    (`drafting_request_tokens`; then a sustained-yield line) those fits missed by -4% on
+    average, out to -22%: 1.5 would have left the largest of them stale."""
     after_sweep_s: float = 180.0
     after_sweep_factor: float = 2.0
     """For `after_sweep_s` after a sweep over every K measured the regime (`after_sweep`),
@@ -131,8 +131,8 @@ def drafting_request_tokens(surface: Mapping[str, Any], column: int) -> float:
     envelope's goodput predicted them: 1 + (AL - 1) c(K), recovered from its tokens per
     decode request (1 + s (AL - 1) c(K)) and draft share s.
 
-    The pooled acceptance length AL alone leaves out the sustained-yield factor c(K)
-    (`fitter.surface.sustained`), which under n-gram falls by about 8% per K: a table at K7
+    The pooled acceptance length AL alone leaves out the batch-composition factor c(K)
+    (`fitter.surface.composition`), which under n-gram falls steeply with K: a table at K7
     after a re-profile centred near K4 accepted 13-20% less than AL said from its first
     steps (twin, n-gram code, 6 of 80 phases), the misfit check called it stale 22 s after
     the swap, and a second re-profile ran inside the phase. Envelopes without the fields

@@ -205,9 +205,6 @@ class ClosedLoop:
         self._fitted_range: tuple[int, int] | None = None
         self._anchor: pa.Table | None = None
         """Records of the last (re-)profile sweep."""
-        self._sweep_slope = 0.0
-        """The sustained-yield slope the last sweep's fit measured (`fitter.surface.sustained`):
-        live steps run one K per batch size, so periodic refits take it as their prior."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision with its virtual time, for benchmarks and tests."""
         self.applied: list[tuple[float, int, DraftTable]] = []
@@ -404,8 +401,8 @@ class ClosedLoop:
     def _refit(self, now_s: float, *, reason: str, force: bool,
                k_values: tuple[int, ...] | None = None) -> None:
         """Fit, derive, publish if forced or worth it. `k_values` limits the table's K (the
-        confirmed ones after a re-profile: a K beyond them is the sustained-yield line's
-        extrapolation, and a trend during the confirmation tilts that line)."""
+        confirmed ones after a re-profile: a K beyond them is an extrapolation of the mixture
+        the confirmation's batches were fitted on)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
         started = self.guardrail.watch_started_s
@@ -422,8 +419,6 @@ class ClosedLoop:
                              provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {})
         if envelope is None:
             return
-        if reason in ("profile", "stale"):
-            self._sweep_slope = envelope.sustained_slope
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.switch.table
         gain, stderr = predicted_gain(envelope, current, batch[-2000:])
@@ -447,8 +442,7 @@ class ClosedLoop:
             return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                             max_batch=self.limits.max_batch, startup_k_values=k_values,
                             version=version, half_life_s=half_life_s,
-                            now_ns=int(now_s * 1e9), sustained_prior_slope=self._sweep_slope,
-                            tolerance=tolerance, provenance={"reason": reason, **(provenance or {})})
+                            now_ns=int(now_s * 1e9), tolerance=tolerance, provenance={"reason": reason, **(provenance or {})})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return None

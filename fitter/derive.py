@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface
 from schemas.draft_table import DraftTable
@@ -169,10 +170,7 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
                                           if surface.tokens_per_request is None
                                           else surface.tokens_per_request),
         "latency_observed_k": [int(k) for k in fit.latency.observed_k_],
-        **({} if fit.sustained is None else {"sustained_yield": {
-            "level": _round(fit.sustained.coef_[0]), "slope": _round(fit.sustained.coef_[1]),
-            "k_reference": _round(fit.sustained.k_reference_),
-            "observed_k": [int(k) for k in fit.sustained.observed_k_]}}),
+        **({} if fit.composition is None else {"composition": _mixture(fit.composition)}),
         "latency_residual_scale": _round(fit.latency.residual_scale_),
     }
 
@@ -253,6 +251,14 @@ def fit_table(
     return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
                            startup_k_values=startup_k_values, tolerance=tolerance,
                            created_at=created_at, provenance=provenance)
+
+
+def _mixture(composition: CompositionModel) -> dict[str, list[float]]:
+    """The arrival mixture's atoms (rates with a share of at least 0.1%), for a reader of
+    the envelope: which kinds of request the fit thinks the traffic holds."""
+    held = composition.arrival_share_ >= 1e-3
+    return {"rates": _round_list(composition.rates_[held]),
+            "arrival_share": _round_list(composition.arrival_share_[held])}
 
 
 def _round(value: float) -> float:

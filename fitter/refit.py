@@ -142,10 +142,6 @@ def decide_refit(
         max_k = max(startup_k_values)
     if max_batch is None:
         max_batch = current.max_batch if current is not None else int(frame["batch_size"].max())  # type: ignore[arg-type]
-    if current is not None and "sustained_prior_slope" not in fit_options:
-        # Live windows mostly run one K per batch size: keep the slope the current table's
-        # fit measured (see fitter.surface.sustained).
-        fit_options["sustained_prior_slope"] = current.sustained_slope
     fit = fit_surface(frame, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
                       now_ns=now_ns, **fit_options)
     base = max(newest_version, current.version if current is not None else 0)

@@ -97,15 +97,6 @@ class TableEnvelope:
                 f"expected one per batch size 1..{self.max_batch}"
             )
 
-    @property
-    def sustained_slope(self) -> float:
-        """The slope per K of the sustained-yield line the fit measured (`surface`'s
-        `sustained_yield`, see `fitter.surface.sustained`); 0.0 when the surface has none.
-        Refits that see one K take it as their prior, both in the engine's closed loop and in
-        `tabletune fit`."""
-        line = self.surface.get("sustained_yield") or {}
-        return float(line.get("slope", 0.0))
-
     def validate(self) -> TableEnvelope:
         """The table is well formed for this envelope's limits and uses only startup K values."""
         self.table.validate(max(self.startup_k_values, default=0), self.max_batch)

@@ -15,6 +15,7 @@ from numpy.typing import ArrayLike, NDArray
 from sklearn.base import clone
 
 from fitter.surface.acceptance import AcceptanceModel
+from fitter.surface.composition import CompositionModel
 from fitter.surface.goodput import (
     DEFAULT_LATENCY_EXTRAPOLATION_REL,
     GoodputSurface,
@@ -22,14 +23,13 @@ from fitter.surface.goodput import (
 )
 from fitter.surface.latency import StepLatencyModel
 from fitter.surface.share import DraftShareModel
-from fitter.surface.sustained import SustainedYieldModel
 from fitter.surface.telemetry import (
     acceptance_rows,
+    composition_by_position,
     context_by_batch,
     draft_share_rows,
     latency_cells,
     recency_weights,
-    sustained_rows,
     to_frame,
 )
 from fitter.surface.validation import check_param
@@ -59,8 +59,9 @@ class SurfaceFit:
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL
     draft_share: DraftShareModel | None = None
     """Share of decode requests that draft (n-gram: those with a match); None = all do."""
-    sustained: SustainedYieldModel | None = None
-    """What steady runs at each K emitted against the pooled prediction; None = no such runs."""
+    composition: CompositionModel | None = None
+    """The arrival mixture behind the pooled acceptance: what each K's own batch emits
+    (`fitter.surface.composition`); None when no position was drafted."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -70,7 +71,7 @@ class SurfaceFit:
         return evaluate_surface(
             self.latency, self.acceptance, batch, k_values, self.context_tokens[batch - 1],
             latency_extrapolation_rel=self.latency_extrapolation_rel,
-            draft_share=self.draft_share, sustained=self.sustained,
+            draft_share=self.draft_share, composition=self.composition,
         )
 
 
@@ -86,15 +87,16 @@ def fit_surface(
     cell_saturation: float = DEFAULT_CELL_SATURATION,
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     dedupe: bool = True,
-    sustained_prior_slope: float = 0.0,
+    batch_composition: bool = True,
 ) -> SurfaceFit:
     """Fit latency on aggregated cells of all steps, acceptance and the share of requests
     that draft on drafting steps.
 
     `records` is a table with the step-record columns (pyarrow or polars). The estimators
     passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
-    `sustained_prior_slope` is the sustained-yield slope the last sweep measured (see
-    `fitter.surface.sustained`; 0 = none known).
+    `batch_composition` models which requests each K's batch holds
+    (`fitter.surface.composition`); off, the pooled per-position chain stands, which is
+    right only where requests accept alike (synthetic telemetry, not real traffic).
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -121,7 +123,8 @@ def fit_surface(
     draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
                    if share_weight.size else None)
 
-    sustained = _fit_sustained(frame, weights, acceptance, draft_share, sustained_prior_slope)
+    composition = (_fit_composition(frame, weights, acceptance, draft_share)
+                   if batch_composition else None)
     context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
@@ -135,19 +138,22 @@ def fit_surface(
         half_life_s=half_life_s,
         latency_extrapolation_rel=latency_extrapolation_rel,
         draft_share=draft_share,
-        sustained=sustained,
+        composition=composition,
     )
 
 
-def _fit_sustained(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,
-                   draft_share: DraftShareModel | None,
-                   prior_slope: float) -> SustainedYieldModel | None:
-    """The sustained-yield line against this fit's pooled prediction; None without steady
-    runs at any K the acceptance model covers."""
-    rows = sustained_rows(frame, weights)
-    rows = rows[rows[:, 0] <= acceptance.n_positions_]
-    if rows.shape[0] == 0:
+def _fit_composition(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,
+                     draft_share: DraftShareModel | None) -> CompositionModel | None:
+    """The arrival mixture (`fitter.surface.composition`) fitted to each drafted position's
+    acceptance per decode request, as pooled by the acceptance model (its prior keeps a
+    thinly observed position from swinging the mixture), and the K that shaped the batches
+    it was measured on; None when no position was drafted."""
+    shaped = composition_by_position(frame, weights, acceptance.n_positions_)
+    positions = acceptance.observed_positions_
+    positions = positions[np.isfinite(shaped[positions - 1])]
+    if positions.size == 0:
         return None
     share = 1.0 if draft_share is None else float(draft_share.share_)
-    rows[:, 2] = share * (acceptance.predict(rows[:, 0].astype(np.int64)) - 1.0)
-    return SustainedYieldModel(prior_slope=prior_slope).fit(rows)
+    per_request = np.clip(share * acceptance.unconditional_[positions - 1], 0.0, 1.0)
+    X = np.column_stack([positions.astype(np.float64), shaped[positions - 1]])
+    return CompositionModel().fit(X, per_request)

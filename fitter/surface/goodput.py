@@ -2,8 +2,9 @@
 
 AL(K) is the acceptance length of a drafting request and s the share of decode requests that
 draft (`fitter.surface.share`; 1 for EAGLE and draft models, where G = B * AL / T); c(K) the
-sustained-yield factor (`fitter.surface.sustained`; 1 without steady runs); T is evaluated
-at the drafts actually verified, s * r * K per request.
+batch-composition factor, what K's own batch emits over the pooled chain
+(`fitter.surface.composition`; 1 without a mixture); T is evaluated at the drafts actually
+verified, s * r * K per request.
 
 Uncertainty is propagated analytically (delta method on log G): it is exact enough for a
 ranking question and costs one small matrix product per cell, where a bootstrap would refit
@@ -23,9 +24,9 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import ndtr
 
 from fitter.surface.acceptance import AcceptanceModel
+from fitter.surface.composition import CompositionModel
 from fitter.surface.latency import StepLatencyModel, decode_matrix, latency_design
 from fitter.surface.share import DraftShareModel
-from fitter.surface.sustained import SustainedYieldModel
 from fitter.surface.validation import check_is_fitted
 
 DEFAULT_LATENCY_EXTRAPOLATION_REL = 0.02
@@ -63,9 +64,6 @@ class GoodputSurface:
     share_log_gradient: NDArray[np.float64] | None = None
     """d log G / d s per cell, shape (B, K); None when s is known exactly."""
     share_var: float = 0.0
-    yield_log_gradient: NDArray[np.float64] | None = None
-    """d log(tokens per request)(K) / d (level, slope) of the sustained-yield line, (K, 2)."""
-    yield_covariance: NDArray[np.float64] | None = None
 
     def log_ratio_vs(self, chosen_index: ArrayLike, margin: float = 0.0,
                      ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -90,10 +88,6 @@ class GoodputSurface:
             share_diff = (self.share_log_gradient
                           - self.share_log_gradient[rows, chosen][:, None])
             var += share_diff**2 * self.share_var
-        if self.yield_log_gradient is not None and self.yield_covariance is not None:
-            yield_diff = (self.yield_log_gradient[None, :, :]
-                          - self.yield_log_gradient[chosen][:, None, :])
-            var += np.einsum("bkp,pq,bkq->bk", yield_diff, self.yield_covariance, yield_diff)
         is_chosen = np.arange(self.k_values.size)[None, :] == chosen[:, None]
         return mean, np.where(is_chosen, 0.0, np.sqrt(np.maximum(var, 0.0)))
 
@@ -127,6 +121,17 @@ def extrapolation_variance(k_values: NDArray[np.int64], observed_k: NDArray[np.i
     return (relative_error * distance) ** 2
 
 
+def composition_factor(composition: CompositionModel | None, acceptance: AcceptanceModel,
+                       share: float, k: NDArray[np.int64]) -> NDArray[np.float64]:
+    """c(K): steady accepted drafts per decode request (`fitter.surface.composition`) over the
+    pooled chain's s (AL(K) - 1); 1 without a mixture and at K = 0."""
+    if composition is None:
+        return np.ones(k.size)
+    pooled = share * (acceptance.predict(k) - 1.0)
+    steady = composition.predict(k)
+    return np.where((k > 0) & (pooled > 1e-9), steady / np.maximum(pooled, 1e-9), 1.0)
+
+
 def evaluate_surface(
     latency: StepLatencyModel,
     acceptance: AcceptanceModel,
@@ -136,14 +141,16 @@ def evaluate_surface(
     *,
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     draft_share: DraftShareModel | None = None,
-    sustained: SustainedYieldModel | None = None,
+    composition: CompositionModel | None = None,
 ) -> GoodputSurface:
     """Goodput and its uncertainty for pure decode steps at each (B, K).
 
     `context_tokens` is KV tokens per request, a scalar or one value per batch size.
     `draft_share` (fitted) says how many decode requests draft and how long their drafts
-    are; None: every request drafts K (EAGLE, draft models). `sustained` (fitted) corrects
-    the accepted tokens per request to what steady runs at each K showed; None: no correction.
+    are; None: every request drafts K (EAGLE, draft models). `composition` (fitted) bends the
+    pooled chain to what each K's own batch accepts; None: the pooled chain stands. Its
+    factor is taken as exact: the mixture is a function of the same acceptance estimates
+    whose variance is propagated.
     """
     check_is_fitted(latency, "coef_")
     check_is_fitted(acceptance, "conditional_")
@@ -174,15 +181,11 @@ def evaluate_surface(
 
     al = acceptance.predict(ks)
     var_log_al = (acceptance.gradient(ks) / al[:, None]) ** 2 @ acceptance.conditional_var_
-    factor = np.ones(ks.size) if sustained is None else np.exp(sustained.predict(ks))
+    factor = composition_factor(composition, acceptance, share, ks)
     accepted = share * (al - 1.0) * factor
     tokens = 1.0 + accepted
     tokens_gradient = share * factor[:, None] * acceptance.gradient(ks) / tokens[:, None]
     var_log_tokens = tokens_gradient**2 @ acceptance.conditional_var_
-    yield_gradient = None
-    if sustained is not None:
-        yield_gradient = (accepted / tokens)[:, None] * sustained.gradient(ks)
-        var_log_tokens = var_log_tokens + (accepted / tokens) ** 2 * sustained.predict_var(ks)
 
     share_gradient = None
     var_share = np.zeros(grid_b.shape)
@@ -217,6 +220,4 @@ def evaluate_surface(
         tokens_per_request=tokens,
         share_log_gradient=share_gradient,
         share_var=share_var,
-        yield_log_gradient=yield_gradient,
-        yield_covariance=None if sustained is None else sustained.coef_covariance_,
     )

@@ -204,60 +204,76 @@ def context_by_batch(frame: pl.DataFrame, weights: NDArray[np.float64],
     return np.interp(np.log2(np.maximum(batch_sizes, 1)), has_data + 0.5, means)
 
 
-MIN_SUSTAINED_STEPS = 32
-"""A step counts as steady at its K once the engine has asked for that K this many steps in a
-row: the step right after a switch (or an exploration probe) still holds the batch the
-previous K shaped."""
+LIFETIME_WINDOW_S = 30.0
+"""A request's lifetime in the batch is measured over the trailing 30 s of steps: long enough
+for a few hundred arrivals at a busy engine, short enough to follow a switch of workload
+(twin: 6.6 s for n-gram chat at 48 users, 1.9 s for code)."""
 
 
-def sustained_rows(frame: pl.DataFrame, weights: NDArray[np.float64], *,
-                   min_run_steps: int = MIN_SUSTAINED_STEPS) -> NDArray[np.float64]:
-    """Per K > 0 that ran steadily: K, weighted accepted tokens per decode request, weighted
-    decode requests, and weighted requests seen (see `fitter.surface.sustained`; the pooled
-    prediction column is the caller's to fill, it is returned as NaN).
+def batch_shaped_k(frame: pl.DataFrame) -> NDArray[np.float64]:
+    """Per step (in `frame`'s row order), the K that shaped the batch it ran: the K asked
+    for, lagged by a request's lifetime in the batch.
 
-    The K a step verifies is the `k_next` of the same engine's previous step (`k` says only
-    what the longest draft was, and is 0 when no request drafted). A gap in `step_seq`
-    breaks a run. Requests seen = those in the batch when a steady stretch starts plus every
-    request that started prefill during it.
+    A switch of K changes which requests the batch holds only as the requests admitted
+    before it finish, so the batch's make-up follows K like a first-order lag whose time
+    constant is the lifetime (Little's law: requests in the batch over requests leaving it
+    per second, over the trailing `LIFETIME_WINDOW_S`). Leaving, not arriving: when the load
+    rises, a burst of fresh requests joins a batch none of whose requests has finished, and
+    arrivals would read that as a short lifetime and the batch as reshaped at once (twin,
+    `tabletune profile` on ShareGPT n-gram, whose cells raise the load: the K at 128 users fell
+    from K3 to K1, 4% off). Leaving is arrivals minus the batch's growth (a prompt split over
+    several steps counts once per step, which errs short). Each engine is lagged on its own.
     """
-    ordered = (
-        frame.lazy()
-        .select("engine_id", "step_seq", "k_next", "num_decode_reqs", "num_prefill_reqs",
-                "batch_size",
-                pl.col("accepted_per_pos").list.sum().fill_null(0).alias("num_accepted_tokens"))
-        .with_columns(_w=pl.Series(weights))
-        .sort("engine_id", "step_seq")
-        .with_columns(
-            _asked=pl.when((pl.col("step_seq") - pl.col("step_seq").shift(1).over("engine_id"))
-                           == 1)
-            .then(pl.col("k_next").shift(1).over("engine_id")).otherwise(None))
-        .with_columns(
-            _run=(pl.col("_asked").is_null()
-                  | (pl.col("_asked") != pl.col("_asked").shift(1).over("engine_id"))
-                  | pl.col("_asked").shift(1).over("engine_id").is_null())
-            .cast(pl.Int64).cum_sum().over("engine_id"))
-        .with_columns(_pos=pl.int_range(pl.len()).over("engine_id", "_run"))
-        .filter((pl.col("_asked") > 0) & (pl.col("_pos") >= min_run_steps)
-                & (pl.col("num_decode_reqs") > 0) & (pl.col("_w") > 0))
-        .with_columns(_first=pl.col("_pos") == min_run_steps)
-        .group_by("_asked")
-        .agg(
-            (pl.col("_w") * pl.col("num_accepted_tokens")).sum().alias("accepted"),
-            (pl.col("_w") * pl.col("num_decode_reqs")).sum().alias("decode"),
-            (pl.col("_w") * (pl.col("num_prefill_reqs")
-                             + pl.when(pl.col("_first")).then(pl.col("batch_size"))
-                             .otherwise(0))).sum().alias("requests"),
-        )
-        .sort("_asked")
-        .collect()
-    )
-    if ordered.height == 0:
-        return np.zeros((0, 4))
-    decode = ordered["decode"].to_numpy().astype(np.float64)
-    return np.column_stack([
-        ordered["_asked"].to_numpy().astype(np.float64),
-        ordered["accepted"].to_numpy() / decode,
-        np.full(decode.size, np.nan),
-        ordered["requests"].to_numpy().astype(np.float64),
-    ])
+    n = frame.height
+    shaped = np.zeros(n)
+    if n == 0:
+        return shaped
+    steps = (frame.select("engine_id", "step_seq", "ts_ns", "k_next", "batch_size",
+                          "num_prefill_reqs")
+             .with_columns(_row=pl.int_range(n)).sort("engine_id", "step_seq"))
+    rows = steps["_row"].to_numpy()
+    engine = steps["engine_id"].to_numpy()
+    seconds = steps["ts_ns"].to_numpy().astype(np.float64) * 1e-9
+    asked = steps["k_next"].to_numpy().astype(np.float64)
+    batch = steps["batch_size"].to_numpy().astype(np.float64)
+    arrivals = steps["num_prefill_reqs"].to_numpy().astype(np.float64)
+    bounds = np.flatnonzero(np.r_[True, engine[1:] != engine[:-1], True])
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        t = seconds[start:stop]
+        dt = np.diff(t, prepend=t[0])
+        occupied = np.concatenate([[0.0], np.cumsum(batch[start:stop] * dt)])
+        arrived = np.concatenate([[0.0], np.cumsum(arrivals[start:stop])])
+        held = np.concatenate([batch[start:start + 1], batch[start:stop]])
+        first = np.searchsorted(t, t - LIFETIME_WINDOW_S)
+        last = np.arange(1, t.size + 1)
+        left = (arrived[last] - arrived[first]) - (held[last] - held[first])
+        lifetime = (occupied[last] - occupied[first]) / np.maximum(left, 1.0)
+        kept = np.exp(-dt / np.maximum(lifetime, 1e-6))
+        # the K a step verifies was asked for by the step before it
+        k = np.concatenate([asked[start:start + 1], asked[start:stop - 1]])
+        level = k[0]
+        lagged = np.empty(t.size)
+        for i in range(t.size):
+            level = k[i] + (level - k[i]) * kept[i]
+            lagged[i] = level
+        shaped[rows[start:stop]] = lagged
+    return shaped
+
+
+def composition_by_position(frame: pl.DataFrame, weights: NDArray[np.float64],
+                            n_positions: int) -> NDArray[np.float64]:
+    """Per draft position 1..n_positions, the K that shaped the batches its acceptance was
+    measured on (`batch_shaped_k`), weighted as `acceptance_rows` weighs the drafts; NaN
+    where a position was never drafted."""
+    shaped = batch_shaped_k(frame)
+    lengths = np.minimum(frame["accepted_per_pos"].list.len().fill_null(0).to_numpy()
+                         .astype(np.int64), n_positions)
+    drafts = frame["num_drafts"].to_numpy().astype(np.float64)
+    w = weights * drafts * (lengths > 0)
+    # drafts verified at length L count for positions 1..L: sums over L >= position
+    by_length = np.bincount(lengths, weights=w, minlength=n_positions + 1)
+    shaped_by_length = np.bincount(lengths, weights=w * shaped, minlength=n_positions + 1)
+    total = np.cumsum(by_length[::-1])[::-1][1:]
+    total_shaped = np.cumsum(shaped_by_length[::-1])[::-1][1:]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, total_shaped / total, np.nan)

@@ -146,9 +146,9 @@ def test_a_table_far_off_its_own_prediction_from_the_start_is_stale(factor: floa
 
 
 @pytest.mark.parametrize("with_yield", [True, False])
-def test_the_prediction_is_the_goodputs_with_its_sustained_yield(with_yield: bool) -> None:
+def test_the_prediction_is_the_goodputs_with_its_composition_factor(with_yield: bool) -> None:
     """At a K far from the sweep's, a closed loop accepts less than the pooled acceptance
-    length says; the envelope's goodput carried that (tokens per request with the sustained
+    length says; the envelope's goodput carried that (tokens per request with the composition
     factor, here 0.6 at K = 2 with draft share 0.5), and the detector checks that
     prediction. Steps that meet it are not a misfit; checked against the pooled AL alone
     (an envelope without the fields) the same steps are 29% short and stale at once."""

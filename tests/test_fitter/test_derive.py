@@ -189,8 +189,9 @@ def _true_partial_goodput(batch: np.ndarray, k: np.ndarray) -> np.ndarray:
 def test_partial_drafting_does_not_inflate_k(partial_draft_records: pa.Table) -> None:
     """Requests without a draft must not count as verifying (or accepting) K drafts: that
     would make a large K look cheap and rewarding, and the table would keep K high at high B."""
+    # the synthetic requests accept alike, step by step: no batch-composition effect to model
     fit = fit_surface(partial_draft_records, max_k=MAX_K, max_batch=MAX_BATCH,
-                      half_life_s=None)
+                      half_life_s=None, batch_composition=False)
     assert fit.draft_share is not None
     assert abs(fit.draft_share.share_ - NGRAM_SHARE) < 0.01
     envelope = derive_envelope(fit, key=KEY, version=1, max_k=MAX_K, max_batch=MAX_BATCH,

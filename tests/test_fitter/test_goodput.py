@@ -14,10 +14,11 @@ from fitter.surface.validation import NotFittedError
 from tests.test_fitter.conftest import MAX_BATCH, MAX_K
 
 
-def test_goodput_is_batch_times_al_over_latency(all_k_fit: SurfaceFit) -> None:
+def test_goodput_is_batch_times_tokens_per_request_over_latency(all_k_fit: SurfaceFit) -> None:
     batch, ks = np.array([1, 7, 64, 200]), np.arange(MAX_K + 1)
     surface = all_k_fit.evaluate(batch, ks)
-    expected = batch[:, None] * surface.acceptance_length[None, :] / surface.latency_s
+    assert surface.tokens_per_request is not None  # 1 + s (AL - 1) c, s = 1 under EAGLE
+    expected = batch[:, None] * surface.tokens_per_request[None, :] / surface.latency_s
     np.testing.assert_allclose(surface.goodput_tok_s, expected)
     truth = (batch[:, None] * true_acceptance_length(SHAREGPT_EAGLE_CONDITIONAL, ks)[None, :]
              / H100_EAGLE.decode_latency_s(batch[:, None], ks[None, :], 512.0))

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
 from controller.loop import CHOSEN_AMONG_K  # noqa: E402
-from fitter.profile import BUILTIN_SCENARIOS as SCENARIOS  # noqa: E402
 from producers.twin import (  # noqa: E402
+    BUILTIN_SCENARIOS,
     FixedK,
     Policy,
     StaticTable,
@@ -98,7 +98,7 @@ def _stale_rate(scenario: Any, policy: TabletunePolicy, phase: dict[str, Any], s
 
 def recovery(name: str, seed: int | None = None, *, oracle_choice: bool = False
              ) -> dict[str, Any]:
-    path = SCENARIOS / name
+    path = BUILTIN_SCENARIOS / name
     scenario = load_scenario(path)
     if seed is not None:
         scenario = dataclasses.replace(scenario, seed=seed)
@@ -237,7 +237,7 @@ def pooled_recovery(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def rollback(plant_at_s: float = 150.0) -> dict[str, Any]:
-    scenario = load_scenario(SCENARIOS / "eagle-high-load.toml")
+    scenario = load_scenario(BUILTIN_SCENARIOS / "eagle-high-load.toml")
     policy = TabletunePolicy()
     bad = DraftTable.from_vllm([[1, scenario.engine.max_num_seqs, 7]])
     policy.plant(plant_at_s, bad)
@@ -276,7 +276,7 @@ class _Explored(Policy):
 
 
 def exploration() -> dict[str, Any]:
-    scenario = load_scenario(SCENARIOS / "sharegpt-eagle.toml")
+    scenario = load_scenario(BUILTIN_SCENARIOS / "sharegpt-eagle.toml")
     policy = TabletunePolicy()
     run_scenario(scenario, policy)
     policy.close()

@@ -41,9 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
-from fitter.profile import BUILTIN_SCENARIOS as SCENARIOS  # noqa: E402
 from fitter.surface.composition import CompositionModel  # noqa: E402
-from producers.twin import build_engine, load_scenario  # noqa: E402
+from producers.twin import BUILTIN_SCENARIOS, build_engine, load_scenario  # noqa: E402
 from producers.twin.engine import StepStats, TwinEngine  # noqa: E402
 from producers.twin.policies import Policy  # noqa: E402
 from schemas import DraftTable  # noqa: E402
@@ -109,7 +108,7 @@ def mixture_prediction(per_position: np.ndarray, shaped_k: int) -> dict[int, flo
 
 def measure(case: str, seed: int) -> dict[str, Any]:
     name, start_s, stale_k = CASES[case]
-    scenario = dataclasses.replace(load_scenario(SCENARIOS / f"{name}.toml"), seed=seed)
+    scenario = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS / f"{name}.toml"), seed=seed)
     truth = {k: steady(run(scenario, [(0.0, k)], start_s + TRUTH_S), start_s, start_s + TRUTH_S)
              for k in K_VALUES}
     sweep = [*K_VALUES, *K_VALUES[::-1]]

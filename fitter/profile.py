@@ -30,7 +30,7 @@ from fitter.profile_twin import CellRun, ProgressCallback, run_twin_profile
 from fitter.surface.fit import fit_surface
 from producers.recorder import Sink
 from producers.twin.config import Scenario
-from producers.twin.scenario_file import load_scenario
+from producers.twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 from schemas import TableEnvelope, TableKey
 
 DEFAULT_BUDGET_S = 120.0
@@ -42,7 +42,6 @@ requests and acceptance moves along an output (n-gram matches more the more text
 seen), so a short cell only sees openings; the latency model needs few cells to generalise,
 the acceptance estimate needs the batch to age (bench/profile_quality.py, 24 vs 16 cells)."""
 MIN_CELL_S = 1.0
-BUILTIN_SCENARIOS = Path(__file__).resolve().parents[1] / "producers" / "twin" / "scenarios"
 
 
 class ProfileError(ValueError):

@@ -27,11 +27,12 @@ from producers.twin.policies import (
     register_policy,
 )
 from producers.twin.run import build_engine, run_scenario
-from producers.twin.scenario_file import load_scenario, parse_scenario
+from producers.twin.scenario_file import BUILTIN_SCENARIOS, load_scenario, parse_scenario
 from producers.twin.static import StaticResult, static_speedups
 from producers.twin.summary import RunSummary
 
 __all__ = [
+    "BUILTIN_SCENARIOS",
     "CostConfig",
     "DrafterConfig",
     "EngineConfig",

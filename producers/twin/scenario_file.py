@@ -23,6 +23,9 @@ from producers.twin.config import (
     ScenarioError,
 )
 
+BUILTIN_SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+"""The scenario files that ship with the twin (drift scenarios, calibration loads)."""
+
 _SECTIONS = {"engine": EngineConfig, "cost": CostConfig, "drafter": DrafterConfig}
 _TOP_LEVEL = ("seed", "name", "engine", "cost", "drafter", "phases")
 

@@ -15,12 +15,12 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from producers.twin import BUILTIN_SCENARIOS
 from producers.twin.config import CostConfig, DrafterConfig, EngineConfig, PhaseConfig, Scenario
 from producers.twin.static import ngram_match_prob_for
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO.parent / "shared" / "data" / "specdecode-bench"
-SCENARIO_DIR = REPO / "producers" / "twin" / "scenarios"
 MAX_K = 7
 BASELINES = ("vllm-doc", "dsd-goodput", "ema-adaptive")
 ADAPTIVE = (*BASELINES, "tabletune")
@@ -133,7 +133,7 @@ def drift_path(name: str) -> Path:
     path = Path(name)
     if path.suffix == ".toml" and path.exists():
         return path
-    return SCENARIO_DIR / f"{path.stem}.toml"
+    return BUILTIN_SCENARIOS / f"{path.stem}.toml"
 
 
 def traces_found(spec: SuiteSpec) -> dict[str, bool]:

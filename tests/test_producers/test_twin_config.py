@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from producers.twin import ScenarioError, load_scenario, parse_scenario, run_scenario
+from producers.twin import (
+    BUILTIN_SCENARIOS,
+    ScenarioError,
+    load_scenario,
+    parse_scenario,
+    run_scenario,
+)
 from producers.twin.config import CostConfig
 from producers.twin.cost import PROFILES, CostModel
 
-SCENARIO_DIR = Path(__file__).resolve().parents[2] / "producers" / "twin" / "scenarios"
-SCENARIOS = sorted(SCENARIO_DIR.glob("*.toml"))
+SCENARIOS = sorted(BUILTIN_SCENARIOS.glob("*.toml"))
 
 VALID = """
 seed = 7

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tabletune import plots
+from tabletune.suite.ratios import MIN_STALE_LOSS, recovery
 
 VLLM_DOC = [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 256, 0]]
 
@@ -46,8 +47,8 @@ def group_numbers(result: Any, phase_s: float) -> dict[str, Any]:
     if stale is not None:
         lost = after["best_fixed_tok_s"] - after["stale_tok_s"]
         numbers["stale_loss"] = lost / after["best_fixed_tok_s"]
-        numbers["recovery"] = ((after["live_tok_s"] - after["stale_tok_s"]) / lost
-                               if lost > 0 else None)
+        numbers["recovery"] = recovery(after["live_tok_s"], after["stale_tok_s"],
+                                       after["best_fixed_tok_s"])
     return numbers
 
 
@@ -88,17 +89,15 @@ def write_report(out_dir: Path, results: dict[str, Any], ingest: Any, wall_s: fl
         lines.append(f"| whole run | {numbers['live_tok_s']:.0f} | "
                      f"{numbers['best_single_fixed_tok_s']:.0f} ({numbers['best_single_fixed']})"
                      f" | {numbers['vllm_doc_tok_s']:.0f} | |")
-        recovery = numbers.get("recovery")
+        recovered = _recovered(numbers.get("recovery"))
         lines += ["", f"Output tokens/s (virtual time). After the drift the stale table loses "
                   f"{100 * numbers.get('stale_loss', 0):.1f}% to the best fixed K; tabletune "
-                  f"recovers {'n/a' if recovery is None else f'{100 * recovery:.0f}%'} of that "
-                  "loss.", ""]
+                  f"recovers {recovered} of that loss.", ""]
         lines += _plots(out_dir, name, result, phase_s)
         text.append(f"{name}: tabletune {after['live_tok_s']:.0f} tok/s after the drift vs "
                     f"best fixed {after['best_fixed_tok_s']:.0f} ({after['best_fixed']}), "
                     f"stale {after.get('stale_tok_s', float('nan')):.0f}, vLLM table "
-                    f"{after['vllm_doc_tok_s']:.0f}; recovery "
-                    f"{'n/a' if recovery is None else f'{100 * recovery:.0f}%'}")
+                    f"{after['vllm_doc_tok_s']:.0f}; recovery {recovered}")
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     report["text"] = "\n".join(text)
     return report
@@ -134,3 +133,11 @@ def _plots(out_dir: Path, name: str, result: Any, phase_s: float) -> list[str]:
                                      out_dir / f"{name}-timeline.png")
     lines += [f"![timeline]({path.name})", ""]
     return lines
+
+
+def _recovered(share: float | None) -> str:
+    """A recovery in words; n/a when the stale table lost too little for the quotient to mean
+    anything (`tabletune.suite.ratios.recovery`)."""
+    if share is None:
+        return f"n/a (the stale table lost under {100 * MIN_STALE_LOSS:.0f}%)"
+    return f"{100 * share:.0f}%"

@@ -206,7 +206,7 @@ def context_by_batch(frame: pl.DataFrame, weights: NDArray[np.float64],
 
 LIFETIME_WINDOW_S = 30.0
 """A request's lifetime in the batch is measured over the trailing 30 s of steps: long enough
-for a few hundred arrivals at a busy engine, short enough to follow a switch of workload
+for a few hundred requests to leave a busy engine, short enough to follow a switch of workload
 (twin: 6.6 s for n-gram chat at 48 users, 1.9 s for code)."""
 
 

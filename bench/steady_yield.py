@@ -103,7 +103,7 @@ def mixture_prediction(per_position: np.ndarray, shaped_k: int) -> dict[int, flo
     positions = np.arange(1, per_position.size + 1)
     model = CompositionModel().fit(
         np.column_stack([positions, np.full(positions.size, float(shaped_k))]), per_position)
-    return {k: float(model.predict([k])[0]) for k in K_VALUES}
+    return dict(zip(K_VALUES, model.predict(K_VALUES).tolist(), strict=True))
 
 
 def measure(case: str, seed: int) -> dict[str, Any]:

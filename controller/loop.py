@@ -442,7 +442,8 @@ class ClosedLoop:
             return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                             max_batch=self.limits.max_batch, startup_k_values=k_values,
                             version=version, half_life_s=half_life_s,
-                            now_ns=int(now_s * 1e9), tolerance=tolerance, provenance={"reason": reason, **(provenance or {})})
+                            now_ns=int(now_s * 1e9), tolerance=tolerance,
+                            provenance={"reason": reason, **(provenance or {})})
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return None

@@ -121,13 +121,13 @@ def extrapolation_variance(k_values: NDArray[np.int64], observed_k: NDArray[np.i
     return (relative_error * distance) ** 2
 
 
-def composition_factor(composition: CompositionModel | None, acceptance: AcceptanceModel,
-                       share: float, k: NDArray[np.int64]) -> NDArray[np.float64]:
-    """c(K): steady accepted drafts per decode request (`fitter.surface.composition`) over the
-    pooled chain's s (AL(K) - 1); 1 without a mixture and at K = 0."""
+def composition_factor(composition: CompositionModel | None, pooled: NDArray[np.float64],
+                       k: NDArray[np.int64]) -> NDArray[np.float64]:
+    """c(K): steady accepted drafts per decode request (`fitter.surface.composition`) over
+    `pooled`, the pooled chain's s (AL(K) - 1) at the same K; 1 without a mixture and at
+    K = 0."""
     if composition is None:
         return np.ones(k.size)
-    pooled = share * (acceptance.predict(k) - 1.0)
     steady = composition.predict(k)
     return np.where((k > 0) & (pooled > 1e-9), steady / np.maximum(pooled, 1e-9), 1.0)
 
@@ -181,8 +181,9 @@ def evaluate_surface(
 
     al = acceptance.predict(ks)
     var_log_al = (acceptance.gradient(ks) / al[:, None]) ** 2 @ acceptance.conditional_var_
-    factor = composition_factor(composition, acceptance, share, ks)
-    accepted = share * (al - 1.0) * factor
+    pooled = share * (al - 1.0)
+    factor = composition_factor(composition, pooled, ks)
+    accepted = pooled * factor
     tokens = 1.0 + accepted
     tokens_gradient = share * factor[:, None] * acceptance.gradient(ks) / tokens[:, None]
     var_log_tokens = tokens_gradient**2 @ acceptance.conditional_var_

@@ -8,8 +8,13 @@ and on the engine thread costs a counter and a lookup per step (`probe`), no all
 
 Share bound: a probe resets the counter and the next needs `period` more steps, so at most
 one step in `period` is a probe, whatever the batch sizes visited. A batch size with no
-candidate in the plan falls back to the table's neighbours (K+1, K-1) when `neighbours` is
-on, so a drift toward another K is seen even where the fit was sure. Probe steps are marked
+candidate in the plan falls back to the table's upper neighbour (K+1) when `neighbours` is
+on, so a drift toward another K is seen even where the fit was sure. Only the upper one:
+live steps at K show the acceptance of positions 1..K, all that K-1 needs, and hide
+position K+1's (censoring is one-sided). And only one due turn in `neighbour_every` probes
+there (`neighbour_share`): the fit has said no other K is likely to win, and each probe of
+a worse K is goodput lost (twin, EAGLE at 64 users on K3: K2 and K4 run 1.7% and 1.1%
+below it, so 2% of steps on them cost 0.03% of the phase). Probe steps are marked
 `forced` in telemetry (`TableSwitch.step_forced`), so guardrail and drift statistics can
 leave them out while the fitter still learns from them.
 """
@@ -23,6 +28,7 @@ from typing import Any
 from schemas import DraftTable
 
 DEFAULT_SHARE = 0.02
+DEFAULT_NEIGHBOUR_SHARE = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,37 +36,56 @@ class ExplorationConfig:
     share: float = DEFAULT_SHARE
     """Most steps that may run another K (0 disables exploration)."""
     neighbours: bool = True
-    """Probe K±1 where the plan names no candidate."""
+    """Probe K+1 where the plan names no candidate ..."""
+    neighbour_share: float = DEFAULT_NEIGHBOUR_SHARE
+    """... on at most this share of steps (`share` caps it)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.share <= 0.5:
             raise ValueError(f"exploration share={self.share} must be in [0, 0.5]")
+        if not 0.0 < self.neighbour_share <= 0.5:
+            raise ValueError(f"exploration neighbour_share={self.neighbour_share} must be in "
+                             "(0, 0.5] (neighbours=False turns neighbour probes off)")
 
 
 class Explorer:
     """Engine-thread half: `probe(batch_size, table_k)` -> a K to run instead, or -1."""
 
-    __slots__ = ("period", "candidates", "max_batch", "_count", "_turn", "probes")
+    __slots__ = ("period", "candidates", "planned", "neighbour_every", "max_batch", "_count",
+                 "_turn", "_neighbour_turn", "probes")
 
-    def __init__(self, candidates: tuple[tuple[int, ...], ...], period: int) -> None:
+    def __init__(self, candidates: tuple[tuple[int, ...], ...], period: int, *,
+                 planned: tuple[bool, ...] | None = None, neighbour_every: int = 1) -> None:
         if period < 2:
             raise ValueError(f"period={period} must be >= 2 (share <= 50%)")
+        if neighbour_every < 1:
+            raise ValueError(f"neighbour_every={neighbour_every} must be >= 1")
         self.period = period
         self.candidates = candidates
         """Dense: candidates[b] are the K values to try at batch size b (index 0 unused)."""
+        self.planned = planned if planned is not None else (True,) * len(candidates)
+        """planned[b]: the plan named candidates[b] (else they are the table's neighbours)."""
+        self.neighbour_every = neighbour_every
         self.max_batch = len(candidates) - 1
         self._count = 0
         self._turn = 0
+        self._neighbour_turn = 0
         self.probes = 0
 
     def probe(self, batch_size: int, table_k: int) -> int:
         self._count += 1
         if self._count < self.period:
             return -1
-        options = self.candidates[batch_size if batch_size < self.max_batch else self.max_batch]
+        row = batch_size if batch_size < self.max_batch else self.max_batch
+        options = self.candidates[row]
         if not options:
             return -1  # stay due: the next step at a batch size with a candidate probes
         self._count = 0
+        if not self.planned[row]:
+            self._neighbour_turn += 1
+            if self._neighbour_turn < self.neighbour_every:
+                return -1  # a turn spent: where the fit is sure, most turns probe nothing
+            self._neighbour_turn = 0
         self._turn += 1
         k = options[self._turn % len(options)]
         if k == table_k:
@@ -71,8 +96,9 @@ class Explorer:
 
 def plan_candidates(plan: Mapping[str, Any] | None, table: DraftTable, *, max_batch: int,
                     k_values: Iterable[int], neighbours: bool = True,
-                    ) -> tuple[tuple[int, ...], ...]:
-    """Dense per-batch-size candidate K values from an envelope's exploration plan."""
+                    ) -> tuple[tuple[tuple[int, ...], ...], tuple[bool, ...]]:
+    """Dense per-batch-size candidate K values from an envelope's exploration plan, and per
+    batch size whether the plan named them (False: the table's neighbours, or none)."""
     allowed = sorted({int(k) for k in k_values})
     dense = table.to_dense(max_batch)
     out: list[tuple[int, ...]] = [()] * (max_batch + 1)
@@ -81,12 +107,12 @@ def plan_candidates(plan: Mapping[str, Any] | None, table: DraftTable, *, max_ba
         for b in range(max(1, int(bucket["batch_start"])),
                        min(max_batch, int(bucket["batch_end"])) + 1):
             out[b] = tuple(k for k in ks if k != dense[b])
+    planned = tuple(bool(options) for options in out)
     if neighbours:
         for b in range(1, max_batch + 1):
             if not out[b]:
-                k = dense[b]
-                out[b] = tuple(n for n in (k + 1, k - 1) if n in allowed)
-    return tuple(out)
+                out[b] = (dense[b] + 1,) if dense[b] + 1 in allowed else ()
+    return tuple(out), planned
 
 
 def explorer_for(plan: Mapping[str, Any] | None, table: DraftTable, *, max_batch: int,
@@ -96,6 +122,7 @@ def explorer_for(plan: Mapping[str, Any] | None, table: DraftTable, *, max_batch
     config = config or ExplorationConfig()
     if config.share <= 0.0:
         return None
-    candidates = plan_candidates(plan, table, max_batch=max_batch, k_values=k_values,
-                                 neighbours=config.neighbours)
-    return Explorer(candidates, period=max(2, round(1.0 / config.share)))
+    candidates, planned = plan_candidates(plan, table, max_batch=max_batch, k_values=k_values,
+                                          neighbours=config.neighbours)
+    return Explorer(candidates, period=max(2, round(1.0 / config.share)), planned=planned,
+                    neighbour_every=max(1, round(config.share / config.neighbour_share)))

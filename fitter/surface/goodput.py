@@ -4,7 +4,8 @@ AL(K) is the acceptance length of a drafting request and s the share of decode r
 draft (`fitter.surface.share`; 1 for EAGLE and draft models, where G = B * AL / T); c(K) the
 batch-composition factor, what K's own batch emits over the pooled chain
 (`fitter.surface.composition`; 1 without a mixture); T is evaluated at the drafts actually
-verified, s * r * K per request.
+verified, s(K) * r * K per request, s(K) the share K's own batch drafts at (the mixture's,
+`CompositionModel.draft_share`; s without one).
 
 Uncertainty is propagated analytically (delta method on log G): it is exact enough for a
 ranking question and costs one small matrix product per cell, where a bootstrap would refit
@@ -167,7 +168,10 @@ def evaluate_surface(
 
     grid_b, grid_k = np.meshgrid(batch, ks, indexing="ij")
     grid_ctx = np.broadcast_to(context[:, None], grid_b.shape)
-    X = decode_matrix(grid_b, grid_k, grid_ctx, share * length_ratio)
+    # the share each K's own batch drafts at (a scalar without a mixture)
+    steady_share = (share if composition is None or draft_share is None
+                    else composition.draft_share(share, ks))
+    X = decode_matrix(grid_b, grid_k, grid_ctx, steady_share * length_ratio)
     design = latency_design(X, latency.knots_)
     latency_s = (design @ latency.coef_).reshape(grid_b.shape)
     latency_s = np.maximum(latency_s, 1e-9)
@@ -192,7 +196,8 @@ def evaluate_surface(
     var_share = np.zeros(grid_b.shape)
     if share_var > 0:
         step = 1e-4 * share
-        shifted = decode_matrix(grid_b, grid_k, grid_ctx, (share + step) * length_ratio)
+        shifted = decode_matrix(grid_b, grid_k, grid_ctx,
+                                (steady_share + step) * length_ratio)
         latency_shifted = np.maximum(
             (latency_design(shifted, latency.knots_) @ latency.coef_).reshape(grid_b.shape),
             1e-9)

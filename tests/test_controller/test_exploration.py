@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from controller.exploration import (
@@ -18,10 +19,12 @@ PLAN = {"buckets": [{"batch_start": 32, "batch_end": 63, "chosen_k": 3, "expecte
                      "candidates": [{"k": 4}, {"k": 2}]}]}
 
 
-def switch_with(share: float, *, neighbours: bool = True) -> TableSwitch:
+def switch_with(share: float, *, neighbours: bool = True,
+                neighbour_share: float | None = None) -> TableSwitch:
     switch = TableSwitch(TABLE, max_k=7, max_batch=128, version=1)
-    explorer = explorer_for(PLAN, TABLE, max_batch=128, k_values=range(8),
-                            config=ExplorationConfig(share=share, neighbours=neighbours))
+    config = ExplorationConfig(share=share, neighbours=neighbours,
+                               neighbour_share=neighbour_share or max(share, 0.01))
+    explorer = explorer_for(PLAN, TABLE, max_batch=128, k_values=range(8), config=config)
     switch.stage(TABLE, 2, explorer=explorer)
     switch.apply_staged()
     return switch
@@ -58,6 +61,27 @@ def test_probes_follow_the_plan_where_it_has_candidates() -> None:
     assert seen_out == 0  # no plan there and no neighbours: never probed
 
 
+def test_where_the_plan_is_sure_neighbours_get_their_smaller_share() -> None:
+    """Batch 40 is in the plan's uncertain bucket (candidates 4 and 2), batch 100 is not:
+    there only the upper neighbour of its K1 is probed (K0 needs no probe: live steps at K1
+    show all it accepts), and with a 2% share and 0.5% for neighbours, a quarter as often
+    as at 40; together they stay within 2%."""
+    switch = switch_with(0.02, neighbour_share=0.005)
+    steps = 40_000
+    probes = {40: 0, 100: 0}
+    probed_at_100 = set()
+    for batch in np.random.default_rng(0).choice([40, 100], size=steps):
+        k = switch.k_for_step(int(batch))
+        probes[int(batch)] += switch.step_forced
+        if switch.step_forced and batch == 100:
+            probed_at_100.add(k)
+    assert probed_at_100 == {2}
+    assert sum(probes.values()) <= 0.02 * steps + 1
+    assert 0.2 < probes[100] / probes[40] < 0.3
+    with pytest.raises(ValueError, match="neighbour_share"):
+        ExplorationConfig(neighbour_share=0.0)
+
+
 def test_zero_share_disables_exploration() -> None:
     assert explorer_for(PLAN, TABLE, max_batch=128, k_values=range(8),
                         config=ExplorationConfig(share=0.0)) is None
@@ -76,7 +100,8 @@ def test_forced_table_marks_every_step_without_explorer() -> None:
 
 
 def test_candidates_stay_inside_the_startup_set() -> None:
-    dense = plan_candidates(PLAN, TABLE, max_batch=128, k_values=[1, 3, 5])
+    dense, planned = plan_candidates(PLAN, TABLE, max_batch=128, k_values=[1, 3, 5])
+    assert not planned[40] and not planned[10]  # the plan's K are not in the set
     assert dense[40] == ()  # candidates 4 and 2 and neighbours 2, 4: none in the set
     assert set(dense[10]) <= {1, 3, 5} and 5 not in dense[10]  # the table's own K is no probe
     with pytest.raises(ValueError, match="period"):

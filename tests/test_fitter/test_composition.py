@@ -52,6 +52,28 @@ def test_positions_measured_on_different_batches_are_each_read_as_such() -> None
         assert model.predict([k])[0] == pytest.approx(_steady(k), rel=0.03)
 
 
+def _drafting_share(k: float) -> float:
+    """n-gram's match model (as the twin's): half of the requests that would accept
+    nothing at position 1 find no match and propose no draft."""
+    return 1.0 - 0.5 * (1.0 - float(_measured(np.ones(1), np.array([float(k)]))[0]))
+
+
+def test_the_draft_share_follows_the_batch_each_k_keeps() -> None:
+    """Fitted on a K3 batch, where 0.5 of the would-be rejections do not draft: a K7 batch
+    holds more of the never-accepting requests and drafts less, a K1 batch more. A share
+    held at K3's overcharges K7's step for drafts it does not verify."""
+    positions = np.arange(1, 8, dtype=np.float64)
+    model = CompositionModel().fit(np.column_stack([positions, np.full(7, 3.0)]),
+                                   _measured(positions, np.full(7, 3.0)))
+    predicted = model.draft_share(_drafting_share(3), [1, 3, 7])
+    truth = [_drafting_share(k) for k in (1, 3, 7)]
+    np.testing.assert_allclose(predicted, truth, atol=0.003)
+    assert truth[0] - truth[1] > 0.02 and truth[1] - truth[2] > 0.01  # an effect to get right
+    without_first = CompositionModel().fit(np.column_stack([positions[1:], np.full(6, 3.0)]),
+                                           _measured(positions[1:], np.full(6, 3.0)))
+    np.testing.assert_allclose(without_first.draft_share(0.8, [1, 7]), [0.8, 0.8])
+
+
 def test_bad_input_is_refused() -> None:
     good = np.array([[1.0, 3.0], [2.0, 3.0]])
     with pytest.raises(ValueError, match="within"):

@@ -8,15 +8,13 @@ and on the engine thread costs a counter and a lookup per step (`probe`), no all
 
 Share bound: a probe resets the counter and the next needs `period` more steps, so at most
 one step in `period` is a probe, whatever the batch sizes visited. A batch size with no
-candidate in the plan falls back to the table's upper neighbour (K+1) when `neighbours` is
-on, so a drift toward another K is seen even where the fit was sure. Only the upper one:
-live steps at K show the acceptance of positions 1..K, all that K-1 needs, and hide
-position K+1's (censoring is one-sided). And only one due turn in `neighbour_every` probes
-there (`neighbour_share`): the fit has said no other K is likely to win, and each probe of
-a worse K is goodput lost (twin, EAGLE at 64 users on K3: K2 and K4 run 1.7% and 1.1%
-below it, so 2% of steps on them cost 0.03% of the phase). Probe steps are marked
-`forced` in telemetry (`TableSwitch.step_forced`), so guardrail and drift statistics can
-leave them out while the fitter still learns from them.
+candidate in the plan falls back to the table's neighbours (K+1, K-1) when `neighbours` is
+on, so a drift toward another K is seen even where the fit was sure. There only one due
+turn in `neighbour_every` probes (`neighbour_share`): the fit has said no other K is likely
+to win, and each probe of a worse K is goodput lost (twin, EAGLE at 64 users on K3: K2 and
+K4 run 1.7% and 1.1% below it, so 2% of steps on them cost about 0.03% of the phase).
+Probe steps are marked `forced` in telemetry (`TableSwitch.step_forced`), so guardrail and
+drift statistics can leave them out while the fitter still learns from them.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ class ExplorationConfig:
     share: float = DEFAULT_SHARE
     """Most steps that may run another K (0 disables exploration)."""
     neighbours: bool = True
-    """Probe K+1 where the plan names no candidate ..."""
+    """Probe K±1 where the plan names no candidate ..."""
     neighbour_share: float = DEFAULT_NEIGHBOUR_SHARE
     """... on at most this share of steps (`share` caps it)."""
 
@@ -111,7 +109,8 @@ def plan_candidates(plan: Mapping[str, Any] | None, table: DraftTable, *, max_ba
     if neighbours:
         for b in range(1, max_batch + 1):
             if not out[b]:
-                out[b] = (dense[b] + 1,) if dense[b] + 1 in allowed else ()
+                k = dense[b]
+                out[b] = tuple(n for n in (k + 1, k - 1) if n in allowed)
     return tuple(out), planned
 
 

@@ -10,7 +10,8 @@ Share bound: a probe resets the counter and the next needs `period` more steps, 
 one step in `period` is a probe, whatever the batch sizes visited. A batch size with no
 candidate in the plan falls back to the table's neighbours (K+1, K-1) when `neighbours` is
 on, so a drift toward another K is seen even where the fit was sure. There only one due
-turn in `neighbour_every` probes (`neighbour_share`): the fit has said no other K is likely
+turn in `neighbour_every` probes (`neighbour_fraction` of the share): the fit has said no
+other K is likely
 to win, and each probe of a worse K is goodput lost (twin, EAGLE at 64 users on K3: K2 and
 K4 run 1.7% and 1.1% below it, so 2% of steps on them cost about 0.03% of the phase).
 Probe steps are marked `forced` in telemetry (`TableSwitch.step_forced`), so guardrail and
@@ -26,7 +27,7 @@ from typing import Any
 from schemas import DraftTable
 
 DEFAULT_SHARE = 0.02
-DEFAULT_NEIGHBOUR_SHARE = 0.005
+DEFAULT_NEIGHBOUR_FRACTION = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +36,15 @@ class ExplorationConfig:
     """Most steps that may run another K (0 disables exploration)."""
     neighbours: bool = True
     """Probe K±1 where the plan names no candidate ..."""
-    neighbour_share: float = DEFAULT_NEIGHBOUR_SHARE
-    """... on at most this share of steps (`share` caps it)."""
+    neighbour_fraction: float = DEFAULT_NEIGHBOUR_FRACTION
+    """... on this fraction of the share's turns (0.25: 0.5% of steps at a 2% share)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.share <= 0.5:
             raise ValueError(f"exploration share={self.share} must be in [0, 0.5]")
-        if not 0.0 < self.neighbour_share <= 0.5:
-            raise ValueError(f"exploration neighbour_share={self.neighbour_share} must be in "
-                             "(0, 0.5] (neighbours=False turns neighbour probes off)")
+        if not 0.0 < self.neighbour_fraction <= 1.0:
+            raise ValueError(f"exploration neighbour_fraction={self.neighbour_fraction} must be "
+                             "in (0, 1] (neighbours=False turns neighbour probes off)")
 
 
 class Explorer:
@@ -124,4 +125,4 @@ def explorer_for(plan: Mapping[str, Any] | None, table: DraftTable, *, max_batch
     candidates, planned = plan_candidates(plan, table, max_batch=max_batch, k_values=k_values,
                                           neighbours=config.neighbours)
     return Explorer(candidates, period=max(2, round(1.0 / config.share)), planned=planned,
-                    neighbour_every=max(1, round(config.share / config.neighbour_share)))
+                    neighbour_every=max(1, round(1.0 / config.neighbour_fraction)))

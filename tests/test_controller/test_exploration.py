@@ -20,10 +20,10 @@ PLAN = {"buckets": [{"batch_start": 32, "batch_end": 63, "chosen_k": 3, "expecte
 
 
 def switch_with(share: float, *, neighbours: bool = True,
-                neighbour_share: float | None = None) -> TableSwitch:
+                neighbour_fraction: float = 1.0) -> TableSwitch:
     switch = TableSwitch(TABLE, max_k=7, max_batch=128, version=1)
     config = ExplorationConfig(share=share, neighbours=neighbours,
-                               neighbour_share=neighbour_share or max(share, 0.01))
+                               neighbour_fraction=neighbour_fraction)
     explorer = explorer_for(PLAN, TABLE, max_batch=128, k_values=range(8), config=config)
     switch.stage(TABLE, 2, explorer=explorer)
     switch.apply_staged()
@@ -63,9 +63,9 @@ def test_probes_follow_the_plan_where_it_has_candidates() -> None:
 
 def test_where_the_plan_is_sure_neighbours_get_their_smaller_share() -> None:
     """Batch 40 is in the plan's uncertain bucket (candidates 4 and 2), batch 100 is not:
-    there the neighbours of its K1 are probed, and with a 2% share and 0.5% for
-    neighbours, a quarter as often as at 40; together they stay within 2%."""
-    switch = switch_with(0.02, neighbour_share=0.005)
+    there the neighbours of its K1 are probed, and at the default quarter of a 2% share,
+    a quarter as often as at 40; together they stay within 2%."""
+    switch = switch_with(0.02, neighbour_fraction=ExplorationConfig().neighbour_fraction)
     steps = 40_000
     probes = {40: 0, 100: 0}
     probed_at_100 = set()
@@ -77,8 +77,8 @@ def test_where_the_plan_is_sure_neighbours_get_their_smaller_share() -> None:
     assert probed_at_100 == {0, 2}
     assert sum(probes.values()) <= 0.02 * steps + 1
     assert 0.2 < probes[100] / probes[40] < 0.3
-    with pytest.raises(ValueError, match="neighbour_share"):
-        ExplorationConfig(neighbour_share=0.0)
+    with pytest.raises(ValueError, match="neighbour_fraction"):
+        ExplorationConfig(neighbour_fraction=0.0)
 
 
 def test_zero_share_disables_exploration() -> None:

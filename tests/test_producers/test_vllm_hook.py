@@ -7,6 +7,7 @@ because a second engine cannot start in one process.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -305,16 +306,24 @@ def test_profile_through_the_openai_api_forces_each_cells_k(tiny_model_dir, cach
     assert len(cells) == 3 and {k for _, k in cells} <= {1, 2, 4} and len(set(cells)) == 3
     records = read_dataset(tmp_path / "parquet").filter(
         read_dataset(tmp_path / "parquet")["engine_id"] == "openai-profile-engine")
-    ts_s = records["ts_ns"].to_numpy() * 1e-9
-    for run in result.cells:  # inside each cell (its first second aside), its K, forced
-        inside = (ts_s >= started + run.start_s + 1.5) & (ts_s < started + run.end_s - 0.5)
+    ts_s = records["ts_ns"].to_numpy() * 1e-9  # a step's record is stamped at its end
+    began_s = ts_s - records["step_latency_s"].to_numpy()
+    events = [m.value for m in read_topic(settings, settings.topics.status)]
+    mine = [json.loads(v) for v in events if b"openai-profile-engine" in v]
+    forced_at = [dt.datetime.fromisoformat(e["at"]).timestamp() for e in mine
+                 if e["event"] == "forced"]
+    assert len(forced_at) == 3
+    assert mine[-1]["event"] == "released"
+    for run, staged_s in zip(result.cells, forced_at, strict=True):
+        # every step that began inside the cell, once its first second is over and the
+        # engine has staged the force (its `forced` event), runs its K, marked forced; a
+        # step that began before (a cold engine's first prefill took 1.5 s) is not one
+        assert staged_s < started + run.end_s - 1.5
+        first_s = max(started + run.start_s + 1.5, staged_s + 0.5)
+        inside = (began_s >= first_s) & (ts_s < started + run.end_s - 0.5)
         steps = records.filter(inside)
         assert steps.height > 0
         assert steps["forced"].all() and set(steps["k_next"].unique()) == {run.cell.k}
-    events = [m.value for m in read_topic(settings, settings.topics.status)]
-    mine = [json.loads(v) for v in events if b"openai-profile-engine" in v]
-    assert sum(e["event"] == "forced" for e in mine) == 3
-    assert mine[-1]["event"] == "released"
 def _wait_healthy(port: int, server: subprocess.Popen, log_path: Path,
                   timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s

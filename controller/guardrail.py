@@ -17,10 +17,11 @@ long chats): 8 s of n-gram chat vary by 3% while their steps look like a 0.3% es
 So the log goodput of `block_s` blocks is compared around each window's mean, pooled over
 both windows, and a window's error is the larger of that and the per-step delta method.
 
-After a drift the baseline is one short block of the stale table (its only steps in the
-new regime), and the traffic's wander between that block and the watch shifts goodput by a
-level that the blocks inside either window do not show: a swap armed `after_drift` adds that
-level shift (`GuardrailConfig.drift_level_sd`) to the error.
+After a drift the baseline is the re-profile's settling stretch, the stale table's only
+unforced steps in the new regime (`arm(baseline_since_s=...)`), and the traffic's wander
+between that stretch and the watch shifts goodput by a level that the blocks inside either
+window do not show: a swap armed `after_drift` adds that level shift
+(`GuardrailConfig.drift_level_sd`) to the error.
 
 Roll back only when the *upper* confidence bound of new/old goodput is below 1 - threshold:
 confident that the new table is worse by more than the threshold, so a table equal to the old
@@ -89,7 +90,7 @@ class GuardrailConfig:
     """Prior of that spread, as the variance of log goodput times seconds (0.015: 5 s vary
     by 5.5%, 12 s by 3.5%), worth `prior_dof` blocks: right after a swap a window has a
     block or two, too few to say how much goodput wanders. Under n-gram 12 s of unchanged
-    code edits vary by 2%, but a swap after a re-profile compares with 8 s of the stale
+    code edits vary by 2%, but a swap after a re-profile compared then with 8 s of the stale
     table right after forced blocks, and at 0.005 4 of 80 such swaps (twin, n-gram switches,
     40 seeds) were rolled back at 0.89-0.91 of a baseline they matched, to the stale
     table. The planted K=7 table (0.82 of its baseline) is rolled back as fast."""
@@ -97,10 +98,11 @@ class GuardrailConfig:
     drift_level_sd: float = 0.04
     """Added (as a standard deviation of log goodput) to the error of a swap armed
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
-    baseline block, the one window of it in the new regime. Between that block and the watch
+    settling stretch, the one window of it in the new regime. Between that and the watch
     the traffic's own wander moves goodput by a level that no watch length averages away
-    (twin, n-gram chat, seed 55: first-position acceptance 0.40 in the baseline block and
-    0.26 ten seconds after it, at one table). Without it, 3 of 120 n-gram re-profile picks
+    (twin, n-gram chat, seed 55, against the baseline block used then: first-position
+    acceptance 0.40 in it and 0.26 ten seconds after it, at one table). Without it, 3 of
+    120 n-gram re-profile picks
     (seeds 1-60) were rolled back (seeds 46 and 55 at 0.89 and 0.85 of such a crest) to the
     table the detector had just called stale, and a second re-profile followed. With 0.04
     the stale table comes back only for a pick worse by more than about 14%. 0 = compare
@@ -232,14 +234,18 @@ class Guardrail:
             self._recent.popleft()
 
     def arm(self, new_version: int, old_version: int, at_s: float, *,
-            after_drift: bool = False) -> None:
+            after_drift: bool = False, baseline_since_s: float | None = None) -> None:
         """A swap from `old_version` to `new_version` happened at `at_s`: start watching.
         `after_drift`: the swap ends a re-profile, and its error carries
-        `GuardrailConfig.drift_level_sd`."""
+        `GuardrailConfig.drift_level_sd`. `baseline_since_s`: the old table's steps from
+        then on are the baseline (a re-profile's settling stretch, before its forced
+        blocks), not those of the last `baseline_window_s`."""
+        since_s = (at_s - self.config.baseline_window_s if baseline_since_s is None
+                   else baseline_since_s)
         baseline = np.zeros((N_BUCKETS, 6))
         blocks: Blocks = {}
         for end_s, version, sums, chunk_blocks in self._recent:
-            if version == old_version and end_s >= at_s - self.config.baseline_window_s:
+            if version == old_version and end_s >= since_s:
                 baseline += sums
                 _add_blocks(blocks, chunk_blocks)
         self._watch = _Watch(new_version, old_version, at_s, baseline, blocks,

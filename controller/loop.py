@@ -14,11 +14,15 @@ at every K, up and back down, then measure what live steps censor (acceptance be
 table's K, the cost of every K at the new load); a fit of them picks a K, and that K and its
 neighbours run for long blocks in mirrored order (a, b, c, c, b, a): which requests a closed
 loop holds, and so what a K really emits per step, settles only over a request's lifetime,
-and between neighbouring K that is what decides. The stale table then runs one warm block
-and one baseline block for the guardrail, and the refit on the sweep's records is published
-under its watch. If the load or the first position's acceptance at that baseline is far off
-the sweep's, the K values confirmed came from another regime and the re-profile starts
-again, once. About 80 s in all (`LoopConfig`), paid once per drift; so the drift detector's
+and between neighbouring K that is what decides. The refit on the sweep's records is then
+published at once, under a guardrail watch whose baseline is the settling stretch (the stale
+table's one unforced run in the new regime). It used to wait for a warm and a baseline block
+of the stale table after the confirmation: 14 s more of the stale table, whose batch the new
+table then had to drain inside the phase's measured window (twin, EAGLE 8 -> 64 users: 0.05%
+of the phase after its first two minutes). If the load at the confirmation's end is far off
+the sweep's, or the first position's acceptance in its last run off its first run's (the
+same K), the K values confirmed came from another regime and the re-profile starts again,
+once. About 60 s in all (`LoopConfig`), paid once per drift; so the drift detector's
 window is long enough that the workload's own wander does not start one, and for three
 minutes after a sweep it asks acceptance for twice the shift
 (`DriftConfig.after_sweep_factor`).
@@ -108,7 +112,8 @@ class LoopConfig:
     """A drift can show before the new regime has settled (the old traffic's long requests
     still run): the re-profile waits this long, on the current table, so that it measures
     the new regime rather than the mix of both. Short, because the drift detector's
-    minute-long window reports a switch only once it dominates."""
+    minute-long window reports a switch only once it dominates. Its steps are the
+    guardrail's baseline for the refit at the re-profile's end."""
     reprofile_block_s: float = 1.0
     """Each K's block in the re-profile's sweep, which runs the K values up and back down
     (0..7, 7..0): the acceptance of the few requests that dominate a closed loop wanders
@@ -121,13 +126,11 @@ class LoopConfig:
     block shows each K on the batch the K before it left behind; which requests a closed
     loop holds (and so what a K really emits, and at what context) settles only over a
     request's lifetime, and between neighbouring K that decides the choice."""
-    reprofile_baseline_s: float = 8.0
-    """After a re-profile the stale table runs again this long, unforced, as the
-    guardrail's comparable baseline for the refit that follows."""
     regime_acceptance_factor: float = 4.0
     """A re-profile also starts again (once) when the acceptance of the first draft
-    position (`first_position_acceptance`) in its baseline block is off its sweep's by this
-    many of the drift detector's acceptance thresholds (0 = never): the confirmation then
+    position (`first_position_acceptance`) in the confirmation's last run is off its first
+    run's (the same K) by this many of the drift detector's acceptance thresholds (0 =
+    never): the confirmation then
     ran the K values a sweep of another workload pointed to (twin, n-gram: a `stale` from
     the chat traffic's wander 27 s before the switch to code; K1-3 confirmed on code, K3
     kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about 90%
@@ -158,12 +161,13 @@ class LoopConfig:
 @dataclass
 class _Sweep:
     blocks: list[int | None]
-    """K per block; None = the current table, unforced (a baseline for the guardrail)."""
+    """K per block; None = the current table, unforced (the settling stretch, which is also
+    the guardrail's baseline for the refit at the end)."""
     block_s: list[float]
     started_s: float
     index: int = -1
     confirm: bool = False
-    """When the blocks run out: fit, then append the confirmation runs and the baseline."""
+    """When the blocks run out: fit, then append the confirmation runs."""
     fit_since_s: float | None = None
     """Fits take the records from here on (default: the sweep's start)."""
     confirmed: tuple[int, ...] = ()
@@ -205,6 +209,9 @@ class ClosedLoop:
         self._fitted_range: tuple[int, int] | None = None
         self._anchor: pa.Table | None = None
         """Records of the last (re-)profile sweep."""
+        self._baseline_since_s: float | None = None
+        """Where the last re-profile's settling stretch began: the stale table's baseline
+        for the guardrail watch on the refit after it."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision with its virtual time, for benchmarks and tests."""
         self.applied: list[tuple[float, int, DraftTable]] = []
@@ -242,7 +249,7 @@ class ClosedLoop:
             steps = StepColumns.from_records(records)
             if self.state is LoopState.LIVE:
                 self._watch(steps, now_s)
-            else:  # unforced baseline blocks of a re-profile feed the guardrail
+            else:  # a re-profile's settling stretch is the guardrail's baseline
                 self.guardrail.observe(steps)
         if self.state is not LoopState.LIVE:
             self._advance_sweep(now_s)
@@ -284,9 +291,6 @@ class ClosedLoop:
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
         lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(ks)
-        if cfg.confirm_block_s <= 0:
-            blocks.append(None)
-            lengths.append(cfg.reprofile_baseline_s)
         self._sweep = _Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
                              fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted)
         self._data_since_s = now_s + cfg.reprofile_settle_s
@@ -309,6 +313,7 @@ class ClosedLoop:
         if index >= len(sweep.blocks):
             first = self.state is LoopState.PROFILING
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
+            self._baseline_since_s = sweep.started_s
             self._sweep = None
             self.state = LoopState.LIVE
             self.drift.after_sweep(now_s)
@@ -320,8 +325,8 @@ class ClosedLoop:
         sweep.index = index
         k = sweep.blocks[index]
         if k is None:
-            # the guardrail's baseline for the refit to come is the block right before it,
-            # not the settling stretch or what ran before the sweep
+            # the guardrail's baseline for the refit to come is this stretch, not what ran
+            # before the drift showed
             self.guardrail.reset_baseline()
             desired = self.agent.desired()
             table = self.switch.startup_table if desired is None else desired.table
@@ -332,29 +337,33 @@ class ClosedLoop:
 
     def _plan_confirmation(self, sweep: _Sweep, now_s: float) -> None:
         """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
-        a, b, c, c, b, a, so a trend over time cancels between them), then the baseline."""
+        a, b, c, c, b, a, so a trend over time cancels between them)."""
         cfg = self.config
         sweep.confirm = False
         chosen = self._sweep_choice(now_s, since_s=sweep.records_from_s)
         if chosen is not None:
             sweep.confirmed = confirmation_k_values(self.k_values, chosen)
         runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
-        # the baseline starts after one more block on the current table: the batch the last
-        # forced K left behind takes a while to become the table's own again
         sweep.confirm_started_s = now_s
-        sweep.blocks += [*runs, None, None]
-        sweep.block_s += [cfg.confirm_block_s] * (len(runs) + 1) + [cfg.reprofile_baseline_s]
+        sweep.blocks += runs
+        sweep.block_s += [cfg.confirm_block_s] * len(runs)
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _regime_moved(self, sweep: _Sweep, now_s: float) -> bool:
-        """Whether the regime at the re-profile's end moved from the one its sweep ran in:
-        the load (median batch size) by the drift detector's coverage factor, or the
-        acceptance of the first draft position (defined alike at every K) by
-        `LoopConfig.regime_acceptance_factor` acceptance thresholds. The confirmation then
-        ran the K values a sweep of another regime pointed to (twin, EAGLE 8 -> 64 users in
-        the middle of a re-profile: K5-7 confirmed, K5 kept at 64 users where K3 is best, 4%
-        lost for the next minutes; n-gram, a re-profile started on chat that confirmed K1-3
-        on code). Once per re-profile."""
+        """Whether the regime moved under the re-profile: the load (median batch size) at its
+        end off the sweep's by the drift detector's coverage factor, or the acceptance of
+        the first draft position in the confirmation's last run off its first run's (the
+        same K) by `LoopConfig.regime_acceptance_factor` acceptance thresholds. The
+        confirmation then ran the K values a sweep of another regime pointed to (twin,
+        EAGLE 8 -> 64 users in the middle of a re-profile: K5-7 confirmed, K5 kept at 64
+        users where K3 is best, 4% lost for the next minutes; n-gram, a re-profile started
+        on chat that confirmed K1-3 on code). Acceptance is compared at one K because which
+        requests a batch holds, and so what its first position accepts, follows the K run
+        over the last seconds: the last run against the sweep (1 s blocks on the stale
+        table's batch) restarted 13 of 80 re-profiles after n-gram code -> chat and cost
+        them 0.08% of the phase (twin, seeds 1-80); first run against last, 2. A switch
+        inside the sweep itself is left to the drift detector, which calls the refit's
+        table stale against its own prediction. Once per re-profile."""
         if sweep.restarted or sweep.confirm_started_s is None:
             return False
         records = self._window(now_s, since_s=sweep.records_from_s)
@@ -362,23 +371,24 @@ class ClosedLoop:
             return False
         seconds = records.column("ts_ns").to_numpy() / 1e9
         before = seconds < sweep.confirm_started_s
-        after = seconds >= now_s - self.config.reprofile_baseline_s
-        # the load from the baseline's last quarter: a jump in its last seconds (EAGLE
+        run_s = self.config.confirm_block_s
+        # the load from the last run's last quarter: a jump in its last seconds (EAGLE
         # 8 -> 64 users 3 s before the refit) would not move the median of all of it
-        latest = seconds >= now_s - self.config.reprofile_baseline_s / 4
+        latest = seconds >= now_s - run_s / 4
         batch = records.column("batch_size").to_numpy()
         if before.sum() < 100 or latest.sum() < 50:
             return False
         low, high = sorted((float(np.median(batch[before])), float(np.median(batch[latest]))))
         if high >= self.config.drift.coverage_factor * max(low, 1.0):
             return True
-        if self.config.regime_acceptance_factor <= 0:
+        if self.config.regime_acceptance_factor <= 0 or now_s - sweep.confirm_started_s < 2 * run_s:
             return False
-        swept = first_position_acceptance(records, before)
-        ended = first_position_acceptance(records, after)
-        if swept is None or ended is None:
+        first_run = ~before & (seconds < sweep.confirm_started_s + run_s)
+        started = first_position_acceptance(records, first_run)
+        ended = first_position_acceptance(records, seconds >= now_s - run_s)
+        if started is None or ended is None:
             return False
-        low, high = sorted((swept, ended))
+        low, high = sorted((started, ended))
         bar = self.config.regime_acceptance_factor * self.config.drift.acceptance_threshold
         return low > 0 and high / low - 1.0 >= bar
 
@@ -493,7 +503,8 @@ class ClosedLoop:
         self.applied.append((now_s, version, table))
         watch = None
         if guard and previous != 0:
-            self.guardrail.arm(version, previous, now_s, after_drift=after_drift)
+            self.guardrail.arm(version, previous, now_s, after_drift=after_drift,
+                               baseline_since_s=self._baseline_since_s if after_drift else None)
             watch = "after_drift" if after_drift else "swap"
         else:
             self.guardrail.disarm()

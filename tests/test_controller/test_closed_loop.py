@@ -109,7 +109,7 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > stale["t_s"])
     refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
     assert refit["reason"] == "stale"
-    # the refit's table is watched with the level shift a stale baseline block carries
+    # the refit's table is watched with the level shift its settling-stretch baseline carries
     stage = next(d for d in decisions if d["what"] == "stage" and d["t_s"] >= refit["t_s"])
     assert stage["watch"] == "after_drift"
     k_values = confirm["k_values"]

@@ -98,6 +98,41 @@ def test_exploration_steps_do_not_count() -> None:
         pytest.fail("an equal table with probes was never kept")
 
 
+def forced_sweep(rng: np.random.Generator, *, t0: float, seconds: int) -> list[StepColumns]:
+    """A re-profile's forced blocks: terrible goodput, all marked forced."""
+    chunks = []
+    for second in range(seconds):
+        chunk = steps(rng, version=1, t0=t0 + second, n=50, goodput=1000.0)
+        chunks.append(StepColumns(**{**{name: getattr(chunk, name) for name in chunk.__slots__},
+                                     "forced": np.ones(50, bool)}))
+    return chunks
+
+
+@pytest.mark.parametrize("since", [0.0, None])
+def test_after_a_drift_the_settling_stretch_is_the_baseline(since: float | None) -> None:
+    """A re-profile: 10 s of the stale table settling, 50 s of forced blocks, then the refit
+    swapped in at 0.8 of the stale table's goodput. Armed with the settling stretch as the
+    baseline it is rolled back; with only the last `baseline_window_s` (all forced, so
+    nothing to compare with) it cannot be judged."""
+    rng = np.random.default_rng(6)
+    guard = Guardrail()
+    for second in range(10):
+        guard.observe(steps(rng, version=1, t0=second, n=50, goodput=6000.0))
+    for chunk in forced_sweep(rng, t0=10.0, seconds=50):
+        guard.observe(chunk)  # forced steps are no baseline
+    guard.arm(2, 1, at_s=60.0, after_drift=True, baseline_since_s=since)
+    verdicts = []
+    for second in range(60, 120):
+        guard.observe(steps(rng, version=2, t0=second, n=50, goodput=6000.0 * 0.8))
+        verdicts.append(guard.verdict(second + 1.0))
+        if verdicts[-1] is not Verdict.HOLD:
+            break
+    if since is None:
+        assert Verdict.ROLL_BACK not in verdicts and verdicts[-1] is Verdict.INCONCLUSIVE
+    else:
+        assert verdicts[-1] is Verdict.ROLL_BACK, guard.last_evidence
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="threshold"):
         GuardrailConfig(threshold=0.0)

@@ -98,15 +98,14 @@ class GuardrailConfig:
     drift_level_sd: float = 0.04
     """Added (as a standard deviation of log goodput) to the error of a swap armed
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
-    settling stretch, the one window of it in the new regime. Between that and the watch
-    the traffic's own wander moves goodput by a level that no watch length averages away
-    (twin, n-gram chat, seed 55, against the baseline block used then: first-position
-    acceptance 0.40 in it and 0.26 ten seconds after it, at one table). Without it, 3 of
-    120 n-gram re-profile picks
-    (seeds 1-60) were rolled back (seeds 46 and 55 at 0.89 and 0.85 of such a crest) to the
-    table the detector had just called stale, and a second re-profile followed. With 0.04
-    the stale table comes back only for a pick worse by more than about 14%. 0 = compare
-    as any other swap."""
+    settling stretch, the one window of it in the new regime. Between that and the watch the
+    traffic's own wander moves goodput by a level that no watch length averages away (twin,
+    n-gram chat, seed 55, against the baseline block used then: first-position acceptance 0.40
+    in it and 0.26 ten seconds after it, at one table). Without it, 3 of 120 n-gram re-profile
+    picks (seeds 1-60) were rolled back (seeds 46 and 55 at 0.89 and 0.85 of such a crest) to
+    the table the detector had just called stale, and a second re-profile followed. With 0.04
+    the stale table comes back only for a pick worse by more than about 14%. 0 = compare as any
+    other swap."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:

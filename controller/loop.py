@@ -127,14 +127,13 @@ class LoopConfig:
     loop holds (and so what a K really emits, and at what context) settles only over a
     request's lifetime, and between neighbouring K that decides the choice."""
     regime_acceptance_factor: float = 4.0
-    """A re-profile also starts again (once) when the acceptance of the first draft
-    position (`first_position_acceptance`) in the confirmation's last run is off its first
-    run's (the same K) by this many of the drift detector's acceptance thresholds (0 =
-    never): the confirmation then
-    ran the K values a sweep of another workload pointed to (twin, n-gram: a `stale` from
-    the chat traffic's wander 27 s before the switch to code; K1-3 confirmed on code, K3
-    kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about 90%
-    there (twin traces); the old traffic draining moved it by up to 62%, and at two
+    """A re-profile also starts again (once) when the acceptance of the first draft position
+    (`first_position_acceptance`) in the confirmation's last run is off its first run's (the
+    same K) by this many of the drift detector's acceptance thresholds (0 = never): the
+    confirmation then ran the K values a sweep of another workload pointed to (twin, n-gram: a
+    `stale` from the chat traffic's wander 27 s before the switch to code; K1-3 confirmed on
+    code, K3 kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about
+    90% there (twin traces); the old traffic draining moved it by up to 62%, and at two
     thresholds 22 of 80 n-gram re-profiles restarted."""
     refit_interval_s: float = 30.0
     fit_window_s: float = 180.0
@@ -381,6 +380,7 @@ class ClosedLoop:
         low, high = sorted((float(np.median(batch[before])), float(np.median(batch[latest]))))
         if high >= self.config.drift.coverage_factor * max(low, 1.0):
             return True
+        # fewer than two runs: the first is the last
         if self.config.regime_acceptance_factor <= 0 or now_s - sweep.confirm_started_s < 2 * run_s:
             return False
         first_run = ~before & (seconds < sweep.confirm_started_s + run_s)

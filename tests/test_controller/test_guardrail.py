@@ -4,6 +4,7 @@ comparable evidence (same batch-size buckets) before judging."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -85,10 +86,8 @@ def test_exploration_steps_do_not_count() -> None:
         chunk = steps(rng, version=2, t0=second, n=50, goodput=6000.0)
         forced = np.zeros(50, bool)
         forced[::5] = True  # probes look terrible; they and the step after are left out
-        chunk = StepColumns(**{**{name: getattr(chunk, name) for name in chunk.__slots__},
-                               "forced": forced,
-                               "accepted": np.where(forced | np.roll(forced, 1), 0,
-                                                    chunk.accepted)})
+        chunk = replace(chunk, forced=forced,
+                        accepted=np.where(forced | np.roll(forced, 1), 0, chunk.accepted))
         guard.observe(chunk)
         verdict = guard.verdict(second + 1.0)
         assert verdict is not Verdict.ROLL_BACK
@@ -103,8 +102,7 @@ def forced_sweep(rng: np.random.Generator, *, t0: float, seconds: int) -> list[S
     chunks = []
     for second in range(seconds):
         chunk = steps(rng, version=1, t0=t0 + second, n=50, goodput=1000.0)
-        chunks.append(StepColumns(**{**{name: getattr(chunk, name) for name in chunk.__slots__},
-                                     "forced": np.ones(50, bool)}))
+        chunks.append(replace(chunk, forced=np.ones(50, bool)))
     return chunks
 
 

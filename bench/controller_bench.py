@@ -153,14 +153,20 @@ def recovery(name: str, seed: int | None = None, *, oracle_choice: bool = False
     return {"scenario": name, "seed": scenario.seed, "phases": rows}
 
 
-def _one_k(rows: list[dict[str, Any]], run: str | None = None
-           ) -> tuple[str, float, float, float]:
-    """The best fixed K over the rows' summed rates: (K, its sum, tabletune's, stale's);
-    `run` = "oracle_choice" takes tabletune's and stale's from that diagnostic run."""
+def _pooled_fixed_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each fixed K's window rate summed over the rows (seeds), keyed as the rows key it."""
     by_k: dict[str, float] = {}
     for r in rows:
         for k, rate in r["fixed_tok_s"].items():
             by_k[k] = by_k.get(k, 0.0) + rate
+    return by_k
+
+
+def _one_k(rows: list[dict[str, Any]], run: str | None = None
+           ) -> tuple[str, float, float, float]:
+    """The best fixed K over the rows' summed rates: (K, its sum, tabletune's, stale's);
+    `run` = "oracle_choice" takes tabletune's and stale's from that diagnostic run."""
+    by_k = _pooled_fixed_rates(rows)
     best = max(by_k, key=lambda k: by_k[k])
     source = [r if run is None else r[run] for r in rows]
     return (best, by_k[best], sum(r["tabletune_tok_s"] for r in source),
@@ -176,10 +182,7 @@ def pick_regret(rows: list[dict[str, Any]]) -> tuple[dict[str, int], float]:
     on does not, and at its pick the loop runs within a few hundredths of a percent of
     that fixed K (twin, n-gram chat-again). What it leaves out: the loop's timing and its
     exploration."""
-    by_k: dict[str, float] = {}
-    for r in rows:
-        for k, rate in r["fixed_tok_s"].items():
-            by_k[k] = by_k.get(k, 0.0) + rate
+    by_k = _pooled_fixed_rates(rows)
     best = max(by_k.values())
     picks: dict[str, int] = {}
     for r in rows:

@@ -25,6 +25,7 @@ import dataclasses
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def recovery(name: str, seed: int | None = None, *, oracle_choice: bool = False
             "stale_loss_pct": round(100 * loss / rates[best_k], 2),
             "tabletune_vs_best_pct": round(100 * (tt_rate / rates[best_k] - 1), 2),
             "recovery": round((tt_rate - stale_rate) / loss, 3) if loss > 0 else None,
-            "k_picked": ending[1].to_dense(batch)[batch],
+            "k_picked": ending[1].k_for(batch),
             "stale_events": sum(1 for e in policy.loop.decisions if e["what"] == "stale"),
             "rollbacks": sum(1 for e in policy.loop.decisions if e["what"] == "roll_back"),
         }
@@ -184,11 +185,9 @@ def pick_regret(rows: list[dict[str, Any]]) -> tuple[dict[str, int], float]:
     exploration."""
     by_k = _pooled_fixed_rates(rows)
     best = max(by_k.values())
-    picks: dict[str, int] = {}
-    for r in rows:
-        picks[str(r["k_picked"])] = picks.get(str(r["k_picked"]), 0) + 1
+    picks = Counter(str(r["k_picked"]) for r in rows)
     cost = sum(n * (best - by_k[k]) / best for k, n in picks.items()) / len(rows)
-    return dict(sorted(picks.items(), key=lambda item: -item[1])), 100 * cost
+    return dict(picks.most_common()), 100 * cost
 
 
 def _one_k_recovery(rows: list[dict[str, Any]], run: str | None = None) -> float | None:

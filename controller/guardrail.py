@@ -238,7 +238,9 @@ class Guardrail:
         `after_drift`: the swap ends a re-profile, and its error carries
         `GuardrailConfig.drift_level_sd`. `baseline_since_s`: the old table's steps from
         then on are the baseline (a re-profile's settling stretch, before its forced
-        blocks), not those of the last `baseline_window_s`."""
+        blocks), not those of the last `baseline_window_s`. It reaches back only as far as
+        the kept steps do: they are pruned to `baseline_window_s` behind the newest table
+        step observed, and forced steps are not table steps, so a sweep prunes nothing."""
         since_s = (at_s - self.config.baseline_window_s if baseline_since_s is None
                    else baseline_since_s)
         baseline = np.zeros((N_BUCKETS, 6))

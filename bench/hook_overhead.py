@@ -62,7 +62,7 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
     from producers.sinks import FileSink
     from producers.table_switch import TableSwitch
     from producers.vllm import TableTuneHook
-    from producers.vllm_steps import RawStep, build_step_fields
+    from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
     from schemas import DraftTable
 
     output, runner_output = step
@@ -84,6 +84,7 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
             self._tt_schedules = deque(maxlen=8)
             self._tt_last_update = None
             self._tt_hook_errors = 0
+            self._tt_build = None
 
     probe = Probe()
     per_step_us = []
@@ -99,10 +100,11 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
     raw = RawStep(0.0, 0.001, 0.0, output, list(map(len, runner_output.sampled_token_ids)),
                   runner_output.req_id_to_index, 0, False, False, 4, 0)
     build_us = []
+    requests = VllmRequests(4)  # the per-request sums, as the hook keeps them
     for _ in range(rounds):
         start = time.perf_counter_ns()
         for _ in range(200):
-            build_step_fields(raw)
+            build_step_fields(raw, requests)
         build_us.append((time.perf_counter_ns() - start) / 200 / 1000)
     return {"engine_thread_us_median": statistics.median(per_step_us),
             "engine_thread_us_max_round": max(per_step_us),

@@ -14,9 +14,13 @@ at every K, up and back down, then measure what live steps censor (acceptance be
 table's K, the cost of every K at the new load); a fit of them picks a K, and that K and its
 neighbours run for long blocks in mirrored order (a, b, c, c, b, a): which requests a closed
 loop holds, and so what a K really emits per step, settles only over a request's lifetime,
-and between neighbouring K that is what decides. The refit on the sweep's records is then
-published at once, under a guardrail watch whose baseline is the settling stretch (the stale
-table's one unforced run in the new regime). It used to wait for a warm and a baseline block
+and between neighbouring K that is what decides. The refit at its end fits the step models
+on the confirmation's runs alone (the sweep's 1 s blocks read the larger K's tokens per step
+0.5-2% high) and prices each K at the context its own batch would hold, from every request
+that finished during the re-profile (`fitter.surface.context`: a closed loop at a larger K
+holds 4-6% less context per request under n-gram, 2-3% more under EAGLE). It is published at
+once, under a guardrail watch whose baseline is the settling stretch (the stale table's one
+unforced run in the new regime). It used to wait for a warm and a baseline block
 of the stale table after the confirmation: 14 s more of the stale table, whose batch the new
 table then had to drain inside the phase's measured window (twin, EAGLE 8 -> 64 users: 0.05%
 of the phase after its first two minutes). If the load at the confirmation's end is far off
@@ -142,6 +146,12 @@ class LoopConfig:
     """The fitter's derivation tolerance (`fitter.derive.choose_k`): its 1% default trades
     goodput for fewer ranges and smaller K on a fleet's table; one engine at one load has
     the telemetry to take the argmax."""
+    fewest_ranges: bool = False
+    """Off: each batch size takes its smallest K within `tolerance` of its best
+    (`fitter.derive.choose_k`). The fewest-ranges pass, right for a fleet's table, stretches
+    a range over the batch size the engine runs at with a K that is only within the
+    tolerance there (twin, n-gram chat after code, 48 users: [[1, 83, 4], ...] where K3 is
+    0.2% better than K4 at 46, and K4 is 1.7% worse than K3 in fact)."""
     min_gain: float = 0.01
     """A periodic refit is published only if it predicts at least this much more goodput."""
     gain_z: float = 2.0
@@ -317,7 +327,9 @@ class ClosedLoop:
             self.state = LoopState.LIVE
             self.drift.after_sweep(now_s)
             self._refit(now_s, reason="profile" if first else "stale", force=True,
-                        k_values=sweep.confirmed or None)
+                        k_values=sweep.confirmed or None,
+                        steps_since_s=sweep.confirm_started_s if sweep.confirmed else None,
+                        records_since_s=sweep.records_from_s)
             return
         if index == sweep.index:
             return
@@ -409,24 +421,37 @@ class ClosedLoop:
 
     # ---- fitting --------------------------------------------------------------------------
     def _refit(self, now_s: float, *, reason: str, force: bool,
-               k_values: tuple[int, ...] | None = None) -> None:
+               k_values: tuple[int, ...] | None = None, steps_since_s: float | None = None,
+               records_since_s: float | None = None) -> None:
         """Fit, derive, publish if forced or worth it. `k_values` limits the table's K (the
         confirmed ones after a re-profile: a K beyond them is an extrapolation of the mixture
-        the confirmation's batches were fitted on)."""
+        the confirmation's batches were fitted on). `steps_since_s`: the step models fit
+        only the steps from there on, and the requests that finished since
+        `records_since_s` price each K's context (a re-profile's end: its sweep's 1 s
+        blocks show each K on the batch the K before it left behind, and read the larger
+        K's tokens per step 0.5-2% high, but every request it saw finish says what it
+        needs at each K)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
         started = self.guardrail.watch_started_s
         watching = started is not None and now_s - started < cfg.watch_hold_s
         if not force and (now_s < self._cooldown_until_s or watching):
             return
-        records = self._fit_records(now_s)
+        fit_options: dict[str, Any] = {}
+        if steps_since_s is None:
+            records = self._fit_records(now_s)
+        else:
+            records = self._window(now_s, since_s=min(steps_since_s,
+                                                       records_since_s or steps_since_s))
+            fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
         if records is None or records.num_rows < 200:
             return
         version = self.agent.state.newest_version + 1
         envelope = self._fit(records, now_s, reason=reason, version=version,
                              half_life_s=None if reason == "profile" else cfg.half_life_s,
                              tolerance=cfg.tolerance, k_values=k_values or self.k_values,
-                             provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {})
+                             provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {},
+                             **fit_options)
         if envelope is None:
             return
         batch = records.column("batch_size").to_numpy().astype(np.int64)
@@ -445,7 +470,8 @@ class ClosedLoop:
 
     def _fit(self, records: pa.Table, now_s: float, *, reason: str, version: int,
              half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
-             provenance: dict[str, Any] | None = None) -> TableEnvelope | None:
+             provenance: dict[str, Any] | None = None, **fit_options: Any,
+             ) -> TableEnvelope | None:
         """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
         decision) when the records cannot be fitted."""
         try:
@@ -453,7 +479,9 @@ class ClosedLoop:
                             max_batch=self.limits.max_batch, startup_k_values=k_values,
                             version=version, half_life_s=half_life_s,
                             now_ns=int(now_s * 1e9), tolerance=tolerance,
-                            provenance={"reason": reason, **(provenance or {})})
+                            fewest_ranges=self.config.fewest_ranges,
+                            provenance={"reason": reason, **(provenance or {})},
+                            **fit_options)
         except (ValueError, np.linalg.LinAlgError) as exc:
             self._note(now_s, "fit_failed", reason=reason, error=str(exc))
             return None

@@ -235,6 +235,7 @@ def fit_table(
     startup_k_values: Sequence[int],
     version: int,
     tolerance: float = DEFAULT_TOLERANCE,
+    fewest_ranges: bool = True,
     half_life_s: float | None = DEFAULT_HALF_LIFE_S,
     now_ns: int | None = None,
     created_at: str | None = None,
@@ -244,13 +245,14 @@ def fit_table(
     """Fit the surface from a telemetry table and derive its table envelope in one call.
 
     `fit_options` go to `fitter.surface.fit.fit_surface` (estimator templates, cell
-    saturation, latency extrapolation error, dedupe).
+    saturation, latency extrapolation error, dedupe, request context, steps since).
     """
     fit = fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
                       now_ns=now_ns, **fit_options)
     return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
                            startup_k_values=startup_k_values, tolerance=tolerance,
-                           created_at=created_at, provenance=provenance)
+                           fewest_ranges=fewest_ranges, created_at=created_at,
+                           provenance=provenance)
 
 
 def _mixture(composition: CompositionModel) -> dict[str, list[float]]:

@@ -23,6 +23,8 @@ import pyarrow as pa
 from producers.identity import EngineIdentity
 from schemas import SCHEMA_VERSION, STEP_RECORD_SCHEMA
 
+FINISHED_REQUESTS_TYPE = STEP_RECORD_SCHEMA.field("finished_requests").type
+
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +89,7 @@ class _ColumnBuffer:
         self.columns["forced"] = np.zeros(capacity, dtype=np.bool_)
         self.accepted = np.zeros((capacity, max(max_positions, 1)), dtype=np.int32)
         self.accepted_len = np.zeros(capacity, dtype=np.int32)
+        self.finished: list[Sequence[dict[str, object]]] = [()] * capacity
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = self.size
@@ -99,6 +102,8 @@ class _ColumnBuffer:
         mask = np.arange(self.accepted.shape[1])[None, :] < lengths[:, None]
         values = self.accepted[:n][mask]
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+        cols["finished_requests"] = pa.array([list(rows) for rows in self.finished[:n]],
+                                             type=FINISHED_REQUESTS_TYPE)
         cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
         for name in ("engine_id", "model", "drafter", "hardware"):
             cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
@@ -139,8 +144,12 @@ class StepRecorder:
         num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: Sequence[int],
         kv_tokens: int, ctx_len_mean: float, ctx_len_max: int, step_latency_s: float,
         inter_step_s: float, forced: bool = False, ts_ns: int | None = None,
+        finished_requests: Sequence[dict[str, object]] = (),
     ) -> int:
-        """Append one step; returns its step_seq. Never blocks on I/O, never raises on data."""
+        """Append one step; returns its step_seq. Never blocks on I/O, never raises on data.
+
+        `finished_requests`: `REQUEST_SEGMENT_TYPE` rows of the requests that left the batch
+        (`producers.request_ledger.RequestLedger.finish`), kept by reference."""
         if self._thread is None:
             self._start_thread()
         with self._lock:
@@ -173,6 +182,7 @@ class StepRecorder:
             if positions:
                 buf.accepted[i, :positions] = accepted_per_pos[:positions]
             buf.accepted_len[i] = positions
+            buf.finished[i] = finished_requests
             buf.size = i + 1
             self.records_total += 1
             if buf.size == buf.capacity:

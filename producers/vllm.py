@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -26,7 +27,7 @@ from producers.identity import EngineIdentity, default_engine_id
 from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
 from producers.table_switch import StagedTable, TableSwitch
-from producers.vllm_steps import RawStep, build_step_fields
+from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
 from schemas import DraftTable, TableError, TableKey
 from tabletune.settings import Settings
 
@@ -48,6 +49,8 @@ class TableTuneHook:
         self._tt_schedules: deque[tuple[int, float, int, bool]] = deque(maxlen=8)
         self._tt_last_update: float | None = None
         self._tt_hook_errors = 0
+        self._tt_build: Any = None
+        """build_step_fields bound to this engine's request ledger (made on first use)."""
         try:
             self._tt_setup()
         except Exception:
@@ -153,7 +156,11 @@ class TableTuneHook:
                 _, started, version, forced = entry
                 break
         sampled = runner_output.sampled_token_ids
-        recorder.defer(build_step_fields, RawStep(
+        build = self._tt_build
+        if build is None:
+            build = self._tt_build = partial(build_step_fields,
+                                             requests=VllmRequests(recorder.max_k))
+        recorder.defer(build, RawStep(
             schedule_start_s=started,
             update_start_s=now,
             previous_update_start_s=self._tt_last_update,

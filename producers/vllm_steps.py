@@ -10,8 +10,11 @@ background thread. Imports nothing from vLLM so it can be tested and reused with
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
+
+from producers.request_ledger import RequestLedger
 
 
 @dataclass(slots=True)
@@ -34,11 +37,70 @@ class RawStep:
     ts_ns: int
 
 
-def build_step_fields(raw: RawStep) -> dict[str, Any] | None:
-    """`StepRecorder.record_step` arguments for one step (None for an empty step)."""
+class VllmRequests:
+    """vLLM's request ids on a `RequestLedger` (which keys requests by number): a request is
+    numbered when it first decodes and handed over when vLLM lists it as finished (or
+    aborted) in the next step's `finished_req_ids`. Recorder thread only."""
+
+    def __init__(self, max_positions: int) -> None:
+        self.ledger = RequestLedger(max_positions)
+        self._numbers: dict[str, int] = {}
+        self._next = itertools.count()
+        self._gone: list[int] = []
+
+    def observe(self, raw: RawStep) -> None:
+        out = raw.scheduler_output
+        cached = out.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        drafts_of = out.scheduled_spec_decode_tokens
+        num_scheduled = out.num_scheduled_tokens
+        lengths, index_of = raw.sampled_lengths, raw.req_id_to_index
+        numbers, generated, drafted, accepted, emitted, context = [], [], [], [], [], []
+        for req_id, computed, outputs in zip(cached.req_ids, cached.num_computed_tokens,
+                                             cached.num_output_tokens, strict=False):
+            scheduled = num_scheduled.get(req_id, 0)
+            index = index_of.get(req_id)
+            if (outputs == 0 or req_id in resumed or not scheduled or index is None
+                    or index >= len(lengths) or not lengths[index]):
+                continue  # a prefill, or a request that sampled nothing this step
+            number = self._numbers.get(req_id)
+            if number is None:
+                number = self._numbers[req_id] = next(self._next)
+            drafts = len(drafts_of.get(req_id, ()))
+            numbers.append(number)
+            generated.append(outputs)
+            drafted.append(drafts)
+            accepted.append(min(lengths[index] - 1, drafts))
+            emitted.append(lengths[index])
+            context.append(computed + scheduled)
+        self.ledger.observe(numbers, generated=generated, drafted=drafted, accepted=accepted,
+                            emitted=emitted, context=context)
+
+    def note_finished(self, raw: RawStep) -> None:
+        """The requests vLLM lists as gone since its last step; their rows go with the next
+        step record (an idle engine's first step lists the last batch's requests)."""
+        gone = getattr(raw.scheduler_output, "finished_req_ids", None) or ()
+        self._gone.extend(self._numbers.pop(req_id) for req_id in gone
+                          if req_id in self._numbers)
+
+    def take_finished(self) -> list[dict[str, object]]:
+        numbers, self._gone = self._gone, []
+        return self.ledger.finish(numbers) if numbers else []
+
+
+def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
+                      ) -> dict[str, Any] | None:
+    """`StepRecorder.record_step` arguments for one step (None for an empty step).
+    `requests` (kept across steps) adds the finished requests' sums."""
     out = raw.scheduler_output
     num_scheduled: dict[str, int] = out.num_scheduled_tokens
     batch_size = len(num_scheduled)
+    finished: list[dict[str, object]] = []
+    if requests is not None:
+        requests.note_finished(raw)
+        if batch_size:
+            finished = requests.take_finished()
+            requests.observe(raw)
     if batch_size == 0:
         return None
 
@@ -101,4 +163,5 @@ def build_step_fields(raw: RawStep) -> dict[str, Any] | None:
         "step_latency_s": step_latency_s,
         "inter_step_s": inter_step_s,
         "forced": raw.forced,
+        "finished_requests": finished,
     }

@@ -16,6 +16,7 @@ import pyarrow.ipc as ipc
 import zstandard
 
 from schemas.step_record import (
+    KNOWN_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     SCHEMA_VERSION_METADATA_KEY,
     STEP_RECORD_SCHEMA,
@@ -29,7 +30,6 @@ HEADER_LAST_STEP_SEQ = "tabletune-last-step-seq"
 HEADER_RECORDS = "tabletune-records"
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 
 
 class FrameError(ValueError):
@@ -102,7 +102,8 @@ def decode_frame(
         table = reader.read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise FrameError("corrupt", f"not a readable Arrow IPC stream ({exc})") from exc
-    _check_schema_version(table.schema)
+    if _check_schema_version(table.schema) == 1:
+        table = upgrade_version_1(table)
     return _conform(table)
 
 
@@ -112,16 +113,17 @@ def _check_header_version(headers: list[tuple[str, bytes]]) -> None:
             _require_known_version(raw, "header " + HEADER_SCHEMA_VERSION)
 
 
-def _require_known_version(raw: bytes | None, where: str) -> None:
+def _require_known_version(raw: bytes | None, where: str) -> int:
     try:
         version = int(raw or b"")
     except ValueError:
         raise FrameError("unknown_schema_version", f"{where} is {raw!r}, not a number") from None
-    if version not in _KNOWN_SCHEMA_VERSIONS:
+    if version not in KNOWN_SCHEMA_VERSIONS:
         raise FrameError(
             "unknown_schema_version",
-            f"{where} is {version}; this reader knows {sorted(_KNOWN_SCHEMA_VERSIONS)}",
+            f"{where} is {version}; this reader knows {sorted(KNOWN_SCHEMA_VERSIONS)}",
         )
+    return version
 
 
 def _decompress(value: bytes) -> bytes:
@@ -145,14 +147,30 @@ def _decompress(value: bytes) -> bytes:
     return out
 
 
-def _check_schema_version(schema: pa.Schema) -> None:
+def _check_schema_version(schema: pa.Schema) -> int:
     metadata = schema.metadata or {}
     if SCHEMA_VERSION_METADATA_KEY not in metadata:
         raise FrameError(
             "unknown_schema_version",
             f"Arrow schema metadata lacks {SCHEMA_VERSION_METADATA_KEY.decode()}",
         )
-    _require_known_version(metadata[SCHEMA_VERSION_METADATA_KEY], "schema metadata")
+    return _require_known_version(metadata[SCHEMA_VERSION_METADATA_KEY], "schema metadata")
+
+
+def upgrade_version_1(table: pa.Table) -> pa.Table:
+    """A version-1 table as version 2: no finished requests recorded (the column came in
+    version 2), every other column as it was. Engines of both versions can share a topic
+    while a fleet upgrades."""
+    if "finished_requests" in table.schema.names:
+        return table
+    empty = pa.array([[]] * table.num_rows,
+                     type=STEP_RECORD_SCHEMA.field("finished_requests").type)
+    table = table.append_column(STEP_RECORD_SCHEMA.field("finished_requests"), empty)
+    if "schema_version" in table.schema.names:
+        index = table.schema.get_field_index("schema_version")
+        table = table.set_column(index, table.schema.field(index), pa.array(
+            [SCHEMA_VERSION] * table.num_rows, type=pa.int16()))
+    return table
 
 
 def _conform(table: pa.Table) -> pa.Table:

@@ -12,8 +12,43 @@ from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-"""Bump when a column changes meaning or type; readers refuse versions they do not know."""
+SCHEMA_VERSION = 2
+"""Bump when a column changes meaning or type; readers refuse versions they do not know.
+Version 2 added `finished_requests`; a version-1 frame reads as one with none."""
+
+KNOWN_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})
+
+REQUEST_SEGMENTS = 13
+"""Segments of a request's generation: segment s holds the decode steps that started with
+2^s to 2^(s+1) - 1 tokens generated (the last one, 4096 and more)."""
+
+REQUEST_SEGMENT_TYPE = pa.struct(
+    [
+        pa.field("request", pa.int32(), nullable=False),
+        pa.field("segment", pa.int8(), nullable=False),
+        pa.field("decode_steps", pa.int32(), nullable=False),
+        pa.field("drafting_steps", pa.int32(), nullable=False),
+        pa.field("tokens", pa.int32(), nullable=False),
+        pa.field("context_tokens", pa.int64(), nullable=False),
+        pa.field("reached_per_pos", pa.list_(pa.int32()), nullable=False),
+        pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),
+    ]
+)
+"""One finished request's decode steps within one segment of its generation. `request`
+numbers the requests of one step record (0, 1, ...) and groups their segments;
+`reached_per_pos[i]` counts steps whose draft reached position i (all before it accepted),
+`accepted_per_pos[i]` those that also accepted it; `tokens` counts what its decode steps
+emitted (vLLM: as sampled, so a last step that ran past max_tokens or a stop string counts
+what vLLM then trims) and `context_tokens` sums its context over them.
+
+Why per request, by segment. In a closed loop a request holds its slot for as many steps as
+it needs, so which requests (and which parts of them) a batch holds moves with K: under
+n-gram a larger K drains the long, well-accepting requests faster and the batch's context
+falls 4-6% (twin, SpecDecode-Bench traces); under EAGLE it rises 2-3%. Step records only
+show the batch that was; these sums let the fitter weigh each request by the steps it would
+need at any K (`fitter.surface.context`). Segments carry the trend within one request:
+acceptance grows with what has been generated (n-gram chat: 1.3 tokens per step at K3 in
+the first hundred tokens, 2.3 after a thousand)."""
 
 SCHEMA_VERSION_METADATA_KEY = b"tabletune.schema_version"
 
@@ -43,6 +78,7 @@ STEP_RECORD_SCHEMA = pa.schema(
         pa.field("step_latency_s", pa.float64(), nullable=False),
         pa.field("inter_step_s", pa.float64(), nullable=False),
         pa.field("forced", pa.bool_(), nullable=False),
+        pa.field("finished_requests", pa.list_(REQUEST_SEGMENT_TYPE), nullable=False),
     ],
     metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -86,11 +122,15 @@ class StepRecord:
     inter_step_s: float
     forced: bool = False
     """An exploration or profile step whose K was not the table's choice."""
+    finished_requests: tuple[dict[str, object], ...] = ()
+    """Requests that left the batch since the previous step, one `REQUEST_SEGMENT_TYPE`
+    row per segment of their generation that had decode steps."""
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def to_row(self) -> dict[str, object]:
         row = asdict(self)
         row["accepted_per_pos"] = list(self.accepted_per_pos)
+        row["finished_requests"] = [dict(r) for r in self.finished_requests]
         return row
 
 
@@ -102,6 +142,7 @@ def records_to_table(records: list[StepRecord]) -> pa.Table:
     """Columnar view of a list of records, in `STEP_RECORD_SCHEMA` column order."""
     columns = {name: [getattr(r, name) for r in records] for name in STEP_RECORD_SCHEMA.names}
     columns["accepted_per_pos"] = [list(r.accepted_per_pos) for r in records]
+    columns["finished_requests"] = [[dict(x) for x in r.finished_requests] for r in records]
     return pa.table(columns, schema=STEP_RECORD_SCHEMA)
 
 
@@ -110,5 +151,6 @@ def table_to_records(table: pa.Table) -> list[StepRecord]:
     out = []
     for row in table.select(list(STEP_RECORD_SCHEMA.names)).to_pylist():
         row["accepted_per_pos"] = tuple(row["accepted_per_pos"])
+        row["finished_requests"] = tuple(row["finished_requests"])
         out.append(StepRecord(**row))
     return out

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import polars as pl
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import clone
 
 from fitter.surface.acceptance import AcceptanceModel
 from fitter.surface.composition import CompositionModel
+from fitter.surface.context import RequestContextModel
 from fitter.surface.goodput import (
     DEFAULT_LATENCY_EXTRAPOLATION_REL,
     GoodputSurface,
@@ -30,12 +32,17 @@ from fitter.surface.telemetry import (
     draft_share_rows,
     latency_cells,
     recency_weights,
+    request_segment_rows,
     to_frame,
 )
 from fitter.surface.validation import check_param
 
 DEFAULT_HALF_LIFE_S = 1800.0
 """Half an hour: a shift in the workload mix shows within one refit, noise does not."""
+
+MIN_CONTEXT_REQUESTS = 50
+"""Fewer finished requests than this and each K is priced at the pooled context: a few
+long requests would swing the weighting (`fitter.surface.context`)."""
 
 DEFAULT_CELL_SATURATION = 10.0
 """A latency cell with n steps weighs n / (n + 10): a well-observed cell's median is precise
@@ -62,6 +69,9 @@ class SurfaceFit:
     composition: CompositionModel | None = None
     """The arrival mixture behind the pooled acceptance: what each K's own batch emits
     (`fitter.surface.composition`); None when no position was drafted."""
+    request_context: RequestContextModel | None = None
+    """Each K's own batch context (`fitter.surface.context`), from the finished requests'
+    sums; None without enough of them (then every K is priced at `context_tokens`)."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -72,6 +82,7 @@ class SurfaceFit:
             self.latency, self.acceptance, batch, k_values, self.context_tokens[batch - 1],
             latency_extrapolation_rel=self.latency_extrapolation_rel,
             draft_share=self.draft_share, composition=self.composition,
+            request_context=self.request_context,
         )
 
 
@@ -88,6 +99,8 @@ def fit_surface(
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     dedupe: bool = True,
     batch_composition: bool = True,
+    request_context: bool = True,
+    steps_since_ns: int | None = None,
 ) -> SurfaceFit:
     """Fit latency on aggregated cells of all steps, acceptance and the share of requests
     that draft on drafting steps.
@@ -97,6 +110,11 @@ def fit_surface(
     `batch_composition` models which requests each K's batch holds
     (`fitter.surface.composition`); off, the pooled per-position chain stands, which is
     right only where requests accept alike (synthetic telemetry, not real traffic).
+    `request_context` prices each K at its own batch's context from the finished requests'
+    sums (`fitter.surface.context`) when the records hold at least `MIN_CONTEXT_REQUESTS`.
+    `steps_since_ns`: the step models take only the steps from then on, the request context
+    every finished request in `records` (a re-profile's steady runs for the former, all of
+    its requests for the latter: which requests a batch holds is a question of many).
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -104,7 +122,11 @@ def fit_surface(
     check_param("cell_saturation", cell_saturation, low=0.0)
     check_param("latency_extrapolation_rel", latency_extrapolation_rel, low=0.0)
 
-    frame = to_frame(records, dedupe=dedupe)
+    frame = requests = to_frame(records, dedupe=dedupe)
+    if steps_since_ns is not None:
+        frame = frame.filter(pl.col("ts_ns") >= steps_since_ns)
+        if frame.height == 0:
+            raise ValueError(f"no telemetry records from ts_ns {steps_since_ns} on to fit")
     ts = frame["ts_ns"].to_numpy()
     weights = recency_weights(ts, half_life_s, now_ns)
 
@@ -139,7 +161,18 @@ def fit_surface(
         latency_extrapolation_rel=latency_extrapolation_rel,
         draft_share=draft_share,
         composition=composition,
+        request_context=_fit_request_context(requests, acceptance.n_positions_)
+        if request_context else None,
     )
+
+
+def _fit_request_context(frame: Any, n_positions: int) -> RequestContextModel | None:
+    """Each K's batch context from the finished requests in `frame`; None with fewer than
+    `MIN_CONTEXT_REQUESTS` of them."""
+    rows = request_segment_rows(frame, n_positions)
+    if rows.shape[0] == 0 or np.unique(rows[:, 0]).size < MIN_CONTEXT_REQUESTS:
+        return None
+    return RequestContextModel().fit(rows)
 
 
 def _fit_composition(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,

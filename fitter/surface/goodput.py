@@ -26,6 +26,7 @@ from scipy.special import ndtr
 
 from fitter.surface.acceptance import AcceptanceModel
 from fitter.surface.composition import CompositionModel
+from fitter.surface.context import RequestContextModel
 from fitter.surface.latency import StepLatencyModel, decode_matrix, latency_design
 from fitter.surface.share import DraftShareModel
 from fitter.surface.validation import check_is_fitted
@@ -143,6 +144,7 @@ def evaluate_surface(
     latency_extrapolation_rel: float = DEFAULT_LATENCY_EXTRAPOLATION_REL,
     draft_share: DraftShareModel | None = None,
     composition: CompositionModel | None = None,
+    request_context: RequestContextModel | None = None,
 ) -> GoodputSurface:
     """Goodput and its uncertainty for pure decode steps at each (B, K).
 
@@ -151,7 +153,9 @@ def evaluate_surface(
     are; None: every request drafts K (EAGLE, draft models). `composition` (fitted) bends the
     pooled chain to what each K's own batch accepts; None: the pooled chain stands. Its
     factor is taken as exact: the mixture is a function of the same acceptance estimates
-    whose variance is propagated.
+    whose variance is propagated. `request_context` (fitted) prices each K's step at the
+    context its own batch holds (`fitter.surface.context`); None: every K at
+    `context_tokens`.
     """
     check_is_fitted(latency, "coef_")
     check_is_fitted(acceptance, "conditional_")
@@ -168,6 +172,8 @@ def evaluate_surface(
 
     grid_b, grid_k = np.meshgrid(batch, ks, indexing="ij")
     grid_ctx = np.broadcast_to(context[:, None], grid_b.shape)
+    if request_context is not None:
+        grid_ctx = grid_ctx * request_context.predict(ks)[None, :]
     # the share each K's own batch drafts at (a scalar without a mixture)
     steady_share = (share if composition is None or draft_share is None
                     else composition.draft_share(share, ks))

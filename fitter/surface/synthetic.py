@@ -167,6 +167,9 @@ def make_step_records(
         "step_latency_s": latency,
         "inter_step_s": np.full(n_steps, 2e-4),
         "forced": np.full(n_steps, forced),
+        # synthetic steps have no requests behind them: each K is priced at one context
+        "finished_requests": pa.array([[]] * n_steps,
+                                      type=STEP_RECORD_SCHEMA.field("finished_requests").type),
     }
     return pa.table({name: columns[name] for name in STEP_RECORD_SCHEMA.names},
                     schema=STEP_RECORD_SCHEMA)

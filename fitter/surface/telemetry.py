@@ -26,6 +26,9 @@ NEEDED_COLUMNS: tuple[str, ...] = (
     "kv_tokens", "step_latency_s",
 )
 
+REQUESTS_COLUMN = "finished_requests"
+"""Optional (schema version 2): the finished requests' sums (`request_segment_rows`)."""
+
 KV_BUCKETS_PER_OCTAVE = 2
 PREFILL_BUCKETS_PER_OCTAVE = 2
 HALF_LIVES_PER_AGE_BUCKET = 2
@@ -39,8 +42,9 @@ def to_frame(records: Any, *, dedupe: bool = True) -> pl.DataFrame:
     Accepts a pyarrow Table, a polars DataFrame, or anything `pl.DataFrame` takes. Without a
     `num_draft_tokens` column every drafting request counts as verifying `k` drafts.
     """
+    wanted = (*NEEDED_COLUMNS, REQUESTS_COLUMN)
     if isinstance(records, pa.Table):
-        frame = pl.from_arrow(records.select([c for c in NEEDED_COLUMNS
+        frame = pl.from_arrow(records.select([c for c in wanted
                                               if c in records.column_names]))
     elif isinstance(records, pl.DataFrame):
         frame = records
@@ -51,7 +55,7 @@ def to_frame(records: Any, *, dedupe: bool = True) -> pl.DataFrame:
         frame = frame.with_columns(
             (pl.col("num_drafts").cast(pl.Int64) * pl.col("k").cast(pl.Int64))
             .alias("num_draft_tokens"))
-    frame = frame.select(NEEDED_COLUMNS)
+    frame = frame.select([c for c in wanted if c in frame.columns or c in NEEDED_COLUMNS])
     if frame.height == 0:
         raise ValueError("no telemetry records to fit")
     if dedupe:
@@ -277,3 +281,29 @@ def composition_by_position(frame: pl.DataFrame, weights: NDArray[np.float64],
     total_shaped = np.cumsum(shaped_by_length[::-1])[::-1][1:]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(total > 0, total_shaped / total, np.nan)
+
+
+def request_segment_rows(frame: pl.DataFrame, n_positions: int) -> NDArray[np.float64]:
+    """The finished requests' segments as `fitter.surface.context` reads them (one row per
+    request segment; columns `CONTEXT_COLUMNS`, then reached and accepted counts for
+    positions 1..n_positions). Empty (0 rows) when the records carry none."""
+    width = 5 + 2 * n_positions
+    if REQUESTS_COLUMN not in frame.columns or frame.height == 0:
+        return np.zeros((0, width))
+    rows = (frame.select("engine_id", "step_seq", REQUESTS_COLUMN)
+            .explode(REQUESTS_COLUMN).drop_nulls(REQUESTS_COLUMN).unnest(REQUESTS_COLUMN))
+    if rows.height == 0:
+        return np.zeros((0, width))
+    engine = rows.get_column("engine_id").rank("dense").cast(pl.Int64).to_numpy()
+    # a request is one (engine, step record, number within it)
+    request = ((engine * (1 << 40) + rows.get_column("step_seq").to_numpy() * 1024
+                + rows.get_column("request").to_numpy()).astype(np.float64))
+    fixed = [rows.get_column(name).cast(pl.Float64).to_numpy()
+             for name in ("decode_steps", "drafting_steps", "tokens", "context_tokens")]
+    counts = []
+    for name in ("reached_per_pos", "accepted_per_pos"):
+        lists = rows.get_column(name)
+        counts += [lists.list.get(i, null_on_oob=True).fill_null(0).cast(pl.Float64).to_numpy()
+                   for i in range(n_positions)]
+    out = np.column_stack([request, *fixed, *counts])
+    return out[out[:, 1] > 0]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from producers.recorder import RecorderConfig, StepRecorder
+from producers.request_ledger import RequestLedger
 from producers.table_switch import TableSwitch
 from producers.twin.batch import RunningBatch
 from producers.twin.config import Scenario, ScenarioError
@@ -92,6 +93,8 @@ class TwinEngine:
         self._noise = np.ones(0)
         self._noise_at = 0
         self._match_prob = scenario.drafter.ngram_match_prob if self.method == "ngram" else 1.0
+        self._ledger = RequestLedger(limits.max_k)
+        """Per-request sums for telemetry's `finished_requests` (kept while recording)."""
         telemetry = recorder.config if recorder is not None else RecorderConfig()
         self._backlog_check_steps = telemetry.frame_records
         self._backlog_limit = telemetry.frame_records * max(1, telemetry.max_pending_buffers // 2)
@@ -161,6 +164,10 @@ class TwinEngine:
             num_drafts = int(np.count_nonzero(pending))
         left = b.output[:d] - generated
         emit = np.minimum(emit_full, left)
+        if self.recorder is not None and d:
+            self._ledger.observe(b.request_id[:d], generated=generated,
+                                 drafted=np.full(d, k) if uniform else pending,
+                                 accepted=emit_full - 1, emitted=emit, context=ctx)
         generated += emit
         finished = emit == left
         emitted = int(_add(emit))
@@ -198,6 +205,8 @@ class TwinEngine:
         inter_step = t - self._last_step_start_s if self._last_step_start_s is not None else 0.0
         self._last_step_start_s = t
         if self.recorder is not None:
+            leaving = (self._ledger.finish(b.request_id[:n][finished])
+                       if n_finished else ())
             self.recorder.record_step(
                 batch_size=batch_size, num_decode_reqs=d, num_prefill_reqs=prefill_reqs,
                 num_prefill_tokens=prefill_tokens, k=k, k_next=k_next,
@@ -205,7 +214,8 @@ class TwinEngine:
                 num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                 accepted_per_pos=per_pos, kv_tokens=kv, ctx_len_mean=kv / batch_size,
                 ctx_len_max=ctx_max, step_latency_s=latency, inter_step_s=inter_step,
-                forced=self.switch.step_forced, ts_ns=int(t * 1e9))
+                forced=self.switch.step_forced, ts_ns=int(t * 1e9),
+                finished_requests=leaving)
             if self.steps % self._backlog_check_steps == 0:
                 self._wait_for_sink(self.recorder)
         self.log.add_step(t, latency, batch_size, k_next, emitted, phase)
@@ -239,6 +249,7 @@ class TwinEngine:
             rows = self._abort_rng.choice(b.n, size=take, replace=False)
             gone = np.zeros(b.n, dtype=bool)
             gone[rows] = True
+            self._ledger.discard(b.request_id[:b.n][gone])
             self._prefilling -= int(np.count_nonzero(gone[b.n - self._prefilling:]))
             b.remove(gone)
             aborted += take

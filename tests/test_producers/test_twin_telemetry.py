@@ -91,3 +91,30 @@ def test_a_table_staged_mid_run_changes_k_next_from_the_next_step(tmp_path):
     assert set(k_next[:41]) == {5} and set(version[:41]) == {0}
     assert set(k_next[41:]) == {1} and set(version[41:]) == {3}
     assert k[41] == 5 and k[42] == 1  # drafts proposed at step N are verified at step N+1
+
+
+def test_finished_requests_add_up_to_their_steps(tmp_path):
+    summary = run_scenario(chat(duration_s=40.0), FixedK(3), sink=f"file://{tmp_path}")
+    table = read_file_sink(tmp_path)
+    requests: dict[tuple[int, int], list[dict]] = {}
+    for seq, rows in zip(table.column("step_seq").to_pylist(),
+                         table.column("finished_requests").to_pylist(), strict=True):
+        for row in rows:
+            requests.setdefault((seq, row["request"]), []).append(row)
+    # every finished request that decoded at least once (outputs of one token never do)
+    assert 0.9 * summary.requests_finished <= len(requests) <= summary.requests_finished
+    for rows in requests.values():
+        assert [r["segment"] for r in rows] == sorted({r["segment"] for r in rows})
+        for r in rows:
+            reached, accepted = np.array(r["reached_per_pos"]), np.array(r["accepted_per_pos"])
+            assert r["decode_steps"] >= r["drafting_steps"] >= 0
+            assert reached[0] == r["drafting_steps"]  # every draft reaches position 1
+            assert (accepted <= reached).all() and (reached[1:] <= accepted[:-1]).all()
+            assert r["decode_steps"] <= r["tokens"] <= r["decode_steps"] + accepted.sum()
+            assert reached[3:].sum() == 0  # K3
+    # the sums are the decode steps: their context matches the step records'
+    decode_ctx = sum(r["context_tokens"] for rows in requests.values() for r in rows)
+    decode_steps = sum(r["decode_steps"] for rows in requests.values() for r in rows)
+    per_step = np.array(table.column("kv_tokens")) / np.maximum(
+        np.array(table.column("batch_size")), 1)
+    assert abs(decode_ctx / decode_steps / per_step.mean() - 1) < 0.25

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from schemas import DraftTable, TableError
@@ -154,6 +155,30 @@ def test_one_record_per_step_matching_vllm_metrics(engine, hook_broker, stock_ou
     # Drafts proposed at step N are verified at step N+1 with the K scheduled at N.
     for before, after in zip(records, records[1:], strict=False):
         assert after["k"] <= max(before["k_next"], 0)
+
+    # vLLM lists a step's finished requests in its next step: one more request shows them
+    vllm_setup.generate(llm, vllm_setup.prompts(1, offset=900), max_tokens=2)
+    assert scheduler.telemetry.flush(timeout_s=10)
+    later = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
+                           min_records=len(records) + 1).to_pylist()
+    requests: dict[tuple[int, int], list[dict]] = {}
+    for record in later:
+        for row in record["finished_requests"]:
+            requests.setdefault((record["step_seq"], row["request"]), []).append(row)
+    assert len(requests) == 12, "each of the batch's requests is reported once"
+    decode_steps = sum(row["decode_steps"] for rows in requests.values() for row in rows)
+    assert decode_steps == sum(r["num_decode_reqs"] for r in records)
+    reached = np.sum([row["reached_per_pos"] for rows in requests.values() for row in rows],
+                     axis=0)
+    accepted = np.sum([row["accepted_per_pos"] for rows in requests.values() for row in rows],
+                      axis=0)
+    assert reached[0] == sum(r["num_drafts"] for r in records)
+    assert accepted.tolist() == per_pos  # the engine's own per-position acceptance
+    # all but each prefill's first token, counted as sampled: a request's last step can
+    # sample past max_tokens (vLLM trims it after), at most K more each
+    tokens = sum(row["tokens"] for rows in requests.values() for row in rows)
+    emitted = sum(len(o) - 1 for o in outputs)
+    assert emitted <= tokens <= emitted + 12 * vllm_setup.MAX_K
 
 
 def test_broker_outage_never_hurts_generation(engine, hook_broker, stock_outputs):

@@ -11,6 +11,26 @@ _text = st.text(min_size=1, max_size=20)
 
 
 @st.composite
+def finished_requests(draw: st.DrawFn) -> tuple[dict[str, object], ...]:
+    """`REQUEST_SEGMENT_TYPE` rows of 0-3 requests."""
+    rows = []
+    for request in range(draw(st.integers(min_value=0, max_value=3))):
+        positions = draw(st.integers(min_value=1, max_value=7))
+        for segment in sorted(draw(st.sets(st.integers(min_value=0, max_value=12),
+                                           min_size=1, max_size=3))):
+            rows.append({
+                "request": request, "segment": segment,
+                "decode_steps": draw(_int32), "drafting_steps": draw(_int32),
+                "tokens": draw(_int32), "context_tokens": draw(st.integers(0, 2**50)),
+                "reached_per_pos": draw(st.lists(_int32, min_size=positions,
+                                                 max_size=positions)),
+                "accepted_per_pos": draw(st.lists(_int32, min_size=positions,
+                                                  max_size=positions)),
+            })
+    return tuple(rows)
+
+
+@st.composite
 def step_records(draw: st.DrawFn, engine_id: str | None = None, n: int | None = None,
                  ) -> list[StepRecord]:
     count = n if n is not None else draw(st.integers(min_value=1, max_value=30))
@@ -38,6 +58,7 @@ def step_records(draw: st.DrawFn, engine_id: str | None = None, n: int | None = 
             step_latency_s=draw(st.floats(min_value=0, max_value=10, allow_nan=False)),
             inter_step_s=draw(st.floats(min_value=0, max_value=10, allow_nan=False)),
             forced=draw(st.booleans()),
+            finished_requests=draw(finished_requests()),
         ))
     return records
 

@@ -99,6 +99,24 @@ def test_wrong_type_is_named():
         decode_frame(_ipc_zstd(table))
 
 
+def test_a_version_1_frame_reads_as_one_without_finished_requests():
+    table = _sample_table().drop_columns(["finished_requests"])
+    index = table.schema.get_field_index("schema_version")
+    table = table.set_column(index, table.schema.field(index),
+                             pa.array([1] * table.num_rows, type=pa.int16()))
+    decoded = decode_frame(_ipc_zstd(table, b"1"), [(HEADER_SCHEMA_VERSION, b"1")])
+    assert decoded.schema.names == STEP_RECORD_SCHEMA.names
+    assert decoded.column("finished_requests").to_pylist() == [[]] * 5
+    assert decoded.column("schema_version").to_pylist() == [2] * 5
+    assert decoded.column("kv_tokens").to_pylist() == table.column("kv_tokens").to_pylist()
+
+
+def test_a_version_2_frame_without_finished_requests_is_refused():
+    table = _sample_table().drop_columns(["finished_requests"])
+    with pytest.raises(FrameError, match="^missing_column: columns missing: finished_requests"):
+        decode_frame(_ipc_zstd(table, b"2"))
+
+
 def test_extra_columns_are_dropped():
     table = _sample_table().append_column("future_field", pa.array([1.0] * 5))
     decoded = decode_frame(_ipc_zstd(table))

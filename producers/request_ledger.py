@@ -21,10 +21,16 @@ from schemas.step_record import REQUEST_SEGMENTS
 _STEPS, _DRAFTING, _TOKENS, _CONTEXT = range(4)
 
 
+_SEGMENT_OF = np.minimum(np.floor(np.log2(np.maximum(np.arange(1 << 16), 1))),
+                         REQUEST_SEGMENTS - 1).astype(np.int64)
+"""Segment per generated count (a lookup costs a fraction of a log2 per step); every count
+past the table is in the last segment, as its last entry is."""
+
+
 def generation_segment(generated: ArrayLike) -> np.ndarray:
     """Segment of a decode step that starts with `generated` tokens already generated."""
-    counts = np.maximum(np.asarray(generated, dtype=np.int64), 1)
-    return np.minimum(np.floor(np.log2(counts)).astype(np.int64), REQUEST_SEGMENTS - 1)
+    counts = np.asarray(generated, dtype=np.int64)
+    return _SEGMENT_OF[np.minimum(np.maximum(counts, 0), _SEGMENT_OF.size - 1)]
 
 
 class RequestLedger:
@@ -36,18 +42,24 @@ class RequestLedger:
         self.max_positions = max(int(max_positions), 1)
         self._mask = ring - 1
         self._owner = np.full(ring, -1, dtype=np.int64)
-        # rows are (slot, segment) pairs, flattened: one fancy addition per array and step
-        self._sums = np.zeros((ring * REQUEST_SEGMENTS, 4), dtype=np.int64)
-        self._positions_counts = np.zeros((ring * REQUEST_SEGMENTS, 2 * self.max_positions),
-                                          dtype=np.int32)
-        """Reached counts per position, then accepted counts per position."""
-        self._positions = np.arange(self.max_positions)[None, :]
+        # rows are (slot, segment) pairs, flattened; columns the four sums, then drafts
+        # reached per position, then accepted per position: one fancy addition per step
+        self._counts = np.zeros((ring * REQUEST_SEGMENTS, 4 + 2 * self.max_positions),
+                                dtype=np.int64)
+        positions = np.arange(self.max_positions)
+        reached = np.arange(self.max_positions + 1)[:, None, None] > positions
+        accepted = np.arange(self.max_positions + 1)[None, :, None] > positions
+        self._position_rows = np.concatenate(np.broadcast_arrays(reached, accepted),
+                                             axis=2).reshape(-1, 2 * self.max_positions)
+        """One step's position counts (reached, then accepted, per position), at row
+        reached * (max_positions + 1) + accepted."""
         self.slots_reused = 0
 
     def observe(self, requests: ArrayLike, *, generated: ArrayLike, drafted: ArrayLike,
                 accepted: ArrayLike, emitted: ArrayLike, context: ArrayLike) -> None:
         """One step's decoding requests (distinct ids): tokens generated before the step,
-        drafts verified, drafts accepted, tokens emitted and context (KV tokens)."""
+        drafts verified (one value for all, or one each), drafts accepted, tokens emitted
+        and context (KV tokens)."""
         ids = np.asarray(requests, dtype=np.int64)
         if ids.size == 0:
             return
@@ -59,13 +71,17 @@ class RequestLedger:
             self._clear(slots[stale])
             self._owner[slots[stale]] = ids[stale]
         rows = slots * REQUEST_SEGMENTS + generation_segment(generated)
-        drafted = np.asarray(drafted, dtype=np.int64)
+        width = self.max_positions
+        drafted = np.minimum(np.asarray(drafted, dtype=np.int64), width)
         accepted = np.minimum(np.asarray(accepted, dtype=np.int64), drafted)
-        self._sums[rows] += np.column_stack((np.ones_like(drafted), drafted > 0, emitted,
-                                             context))
-        reached = self._positions < np.minimum(accepted + 1, drafted)[:, None]
-        self._positions_counts[rows] += np.hstack((reached,
-                                                   self._positions < accepted[:, None]))
+        step = np.empty((ids.size, 4 + 2 * width), dtype=np.int64)
+        step[:, _STEPS] = 1
+        step[:, _DRAFTING] = drafted > 0
+        step[:, _TOKENS] = emitted
+        step[:, _CONTEXT] = context
+        reached = np.minimum(accepted + 1, drafted)
+        step[:, 4:] = self._position_rows[reached * (width + 1) + accepted]
+        self._counts[rows] += step
 
     def finish(self, requests: ArrayLike) -> list[dict[str, object]]:
         """Rows of the requests that left the batch, numbered in the order given (one that
@@ -77,16 +93,16 @@ class RequestLedger:
             if self._owner[slot] != request:
                 continue
             first = slot * REQUEST_SEGMENTS
-            sums = self._sums[first:first + REQUEST_SEGMENTS]
-            counts = self._positions_counts[first:first + REQUEST_SEGMENTS]
+            counts = self._counts[first:first + REQUEST_SEGMENTS]
             width = self.max_positions
-            for segment in np.flatnonzero(sums[:, _STEPS]).tolist():
-                steps, drafting, tokens, context = sums[segment].tolist()
+            for segment in np.flatnonzero(counts[:, _STEPS]).tolist():
+                values = counts[segment].tolist()
                 rows.append({
-                    "request": number, "segment": segment, "decode_steps": steps,
-                    "drafting_steps": drafting, "tokens": tokens, "context_tokens": context,
-                    "reached_per_pos": counts[segment, :width].tolist(),
-                    "accepted_per_pos": counts[segment, width:].tolist(),
+                    "request": number, "segment": segment, "decode_steps": values[_STEPS],
+                    "drafting_steps": values[_DRAFTING], "tokens": values[_TOKENS],
+                    "context_tokens": values[_CONTEXT],
+                    "reached_per_pos": values[4:4 + width],
+                    "accepted_per_pos": values[4 + width:],
                 })
             number += 1
             self._clear(np.array([slot]))
@@ -102,5 +118,4 @@ class RequestLedger:
     def _clear(self, slots: np.ndarray) -> None:
         self._owner[slots] = -1
         rows = (slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)).reshape(-1)
-        self._sums[rows] = 0
-        self._positions_counts[rows] = 0
+        self._counts[rows] = 0

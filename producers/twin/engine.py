@@ -166,7 +166,7 @@ class TwinEngine:
         emit = np.minimum(emit_full, left)
         if self.recorder is not None and d:
             self._ledger.observe(b.request_id[:d], generated=generated,
-                                 drafted=np.full(d, k) if uniform else pending,
+                                 drafted=k if uniform else pending,
                                  accepted=emit_full - 1, emitted=emit, context=ctx)
         generated += emit
         finished = emit == left

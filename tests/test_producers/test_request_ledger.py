@@ -63,3 +63,12 @@ def test_accepted_is_capped_at_what_was_drafted():
     (row,) = ledger.finish([0])
     assert row["reached_per_pos"] == [1, 1, 0, 0]
     assert row["accepted_per_pos"] == [1, 1, 0, 0]
+
+
+def test_one_draft_length_for_the_whole_step():
+    ledger = RequestLedger(max_positions=3)
+    ledger.observe([4, 5], generated=[1, 1], drafted=2, accepted=[2, 0], emitted=[3, 1],
+                   context=[10, 20])
+    rows = ledger.finish([4, 5])
+    assert [r["reached_per_pos"] for r in rows] == [[1, 1, 0], [1, 0, 0]]
+    assert [r["accepted_per_pos"] for r in rows] == [[1, 1, 0], [0, 0, 0]]

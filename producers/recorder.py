@@ -21,9 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from producers.identity import EngineIdentity
+from producers.request_ledger import to_arrow
 from schemas import SCHEMA_VERSION, STEP_RECORD_SCHEMA
-
-FINISHED_REQUESTS_TYPE = STEP_RECORD_SCHEMA.field("finished_requests").type
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,9 @@ class _ColumnBuffer:
         self.columns["forced"] = np.zeros(capacity, dtype=np.bool_)
         self.accepted = np.zeros((capacity, max(max_positions, 1)), dtype=np.int32)
         self.accepted_len = np.zeros(capacity, dtype=np.int32)
-        self.finished: list[Sequence[dict[str, object]]] = [()] * capacity
+        self.finished: list[Any] = [()] * capacity
+        """Per step, `RequestLedger.finish` rows (or nothing)."""
+        self.max_positions = max(max_positions, 1)
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = self.size
@@ -102,8 +103,7 @@ class _ColumnBuffer:
         mask = np.arange(self.accepted.shape[1])[None, :] < lengths[:, None]
         values = self.accepted[:n][mask]
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-        cols["finished_requests"] = pa.array([list(rows) for rows in self.finished[:n]],
-                                             type=FINISHED_REQUESTS_TYPE)
+        cols["finished_requests"] = to_arrow(self.finished[:n], self.max_positions)
         cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
         for name in ("engine_id", "model", "drafter", "hardware"):
             cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
@@ -144,12 +144,13 @@ class StepRecorder:
         num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: Sequence[int],
         kv_tokens: int, ctx_len_mean: float, ctx_len_max: int, step_latency_s: float,
         inter_step_s: float, forced: bool = False, ts_ns: int | None = None,
-        finished_requests: Sequence[dict[str, object]] = (),
+        finished_requests: Any = (),
     ) -> int:
         """Append one step; returns its step_seq. Never blocks on I/O, never raises on data.
 
-        `finished_requests`: `REQUEST_SEGMENT_TYPE` rows of the requests that left the batch
-        (`producers.request_ledger.RequestLedger.finish`), kept by reference."""
+        `finished_requests`: the rows `producers.request_ledger.RequestLedger.finish` gave
+        for the requests that left the batch (a ledger of this recorder's `max_k`
+        positions), kept by reference."""
         if self._thread is None:
             self._start_thread()
         with self._lock:

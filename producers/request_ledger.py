@@ -13,10 +13,13 @@ many has its slot taken and its sums restart (`slots_reused` counts it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import pyarrow as pa
 from numpy.typing import ArrayLike
 
-from schemas.step_record import REQUEST_SEGMENTS
+from schemas.step_record import REQUEST_SEGMENT_TYPE, REQUEST_SEGMENTS
 
 _STEPS, _DRAFTING, _TOKENS, _CONTEXT = range(4)
 
@@ -33,6 +36,33 @@ def generation_segment(generated: ArrayLike) -> np.ndarray:
     return _SEGMENT_OF[np.minimum(np.maximum(counts, 0), _SEGMENT_OF.size - 1)]
 
 
+def to_arrow(steps: Sequence[np.ndarray], max_positions: int) -> pa.ListArray:
+    """The `finished_requests` column of a frame from each step's `RequestLedger.finish`
+    rows (built from flat columns: a frame holds thousands of rows)."""
+    counts = np.array([len(rows) for rows in steps], dtype=np.int32)
+    offsets = np.zeros(len(steps) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    width = 6 + 2 * max_positions
+    flat = (np.concatenate([rows for rows in steps if len(rows)]) if offsets[-1]
+            else np.zeros((0, width), dtype=np.int64))
+    if flat.shape[1] != width:
+        raise ValueError(f"rows have {flat.shape[1]} columns, expected {width}")
+    per_pos = np.arange(flat.shape[0] + 1, dtype=np.int32) * max_positions
+
+    def positions(first: int) -> pa.ListArray:
+        values = pa.array(flat[:, first:first + max_positions].reshape(-1).astype(np.int32))
+        return pa.ListArray.from_arrays(pa.array(per_pos), values)
+
+    fields = REQUEST_SEGMENT_TYPE
+    struct = pa.StructArray.from_arrays(
+        [pa.array(flat[:, 0].astype(np.int32)), pa.array(flat[:, 1].astype(np.int8)),
+         pa.array(flat[:, 2].astype(np.int32)), pa.array(flat[:, 3].astype(np.int32)),
+         pa.array(flat[:, 4].astype(np.int32)), pa.array(flat[:, 5]),
+         positions(6), positions(6 + max_positions)],
+        fields=list(fields))
+    return pa.ListArray.from_arrays(pa.array(offsets), struct)
+
+
 class RequestLedger:
     """Running sums per (request, segment) in a ring of `ring` slots (a power of two)."""
 
@@ -46,13 +76,16 @@ class RequestLedger:
         # reached per position, then accepted per position: one fancy addition per step
         self._counts = np.zeros((ring * REQUEST_SEGMENTS, 4 + 2 * self.max_positions),
                                 dtype=np.int64)
-        positions = np.arange(self.max_positions)
-        reached = np.arange(self.max_positions + 1)[:, None, None] > positions
-        accepted = np.arange(self.max_positions + 1)[None, :, None] > positions
-        self._position_rows = np.concatenate(np.broadcast_arrays(reached, accepted),
-                                             axis=2).reshape(-1, 2 * self.max_positions)
-        """One step's position counts (reached, then accepted, per position), at row
-        reached * (max_positions + 1) + accepted."""
+        width = self.max_positions
+        reached = np.arange(width + 1)[:, None, None] > np.arange(width)
+        accepted = np.arange(width + 1)[None, :, None] > np.arange(width)
+        steps = np.broadcast_to(np.array([1, 0, 0, 0]), (width + 1, width + 1, 4)).copy()
+        steps[1:, :, _DRAFTING] = 1  # a draft reached position 1 iff the request drafted
+        self._step_rows = np.concatenate([steps, *np.broadcast_arrays(reached, accepted)],
+                                         axis=2).reshape(-1, 4 + 2 * width).astype(np.int64)
+        """One step's counts but tokens and context, at row
+        positions reached * (max_positions + 1) + positions accepted."""
+        self._no_rows = np.zeros((0, 6 + 2 * self.max_positions), dtype=np.int64)
         self.slots_reused = 0
 
     def observe(self, requests: ArrayLike, *, generated: ArrayLike, drafted: ArrayLike,
@@ -72,40 +105,27 @@ class RequestLedger:
             self._owner[slots[stale]] = ids[stale]
         rows = slots * REQUEST_SEGMENTS + generation_segment(generated)
         width = self.max_positions
-        drafted = np.minimum(np.asarray(drafted, dtype=np.int64), width)
-        accepted = np.minimum(np.asarray(accepted, dtype=np.int64), drafted)
-        step = np.empty((ids.size, 4 + 2 * width), dtype=np.int64)
-        step[:, _STEPS] = 1
-        step[:, _DRAFTING] = drafted > 0
+        drafted = np.minimum(drafted, width)
+        accepted = np.minimum(accepted, drafted)
+        step = self._step_rows[np.minimum(accepted + 1, drafted) * (width + 1) + accepted]
         step[:, _TOKENS] = emitted
         step[:, _CONTEXT] = context
-        reached = np.minimum(accepted + 1, drafted)
-        step[:, 4:] = self._position_rows[reached * (width + 1) + accepted]
         self._counts[rows] += step
 
-    def finish(self, requests: ArrayLike) -> list[dict[str, object]]:
+    def finish(self, requests: ArrayLike) -> np.ndarray:
         """Rows of the requests that left the batch, numbered in the order given (one that
-        never decoded has none, and no number); their slots are freed."""
-        rows: list[dict[str, object]] = []
-        number = 0
-        for request in np.asarray(requests, dtype=np.int64).reshape(-1):
-            slot = int(request) & self._mask
-            if self._owner[slot] != request:
-                continue
-            first = slot * REQUEST_SEGMENTS
-            counts = self._counts[first:first + REQUEST_SEGMENTS]
-            width = self.max_positions
-            for segment in np.flatnonzero(counts[:, _STEPS]).tolist():
-                values = counts[segment].tolist()
-                rows.append({
-                    "request": number, "segment": segment, "decode_steps": values[_STEPS],
-                    "drafting_steps": values[_DRAFTING], "tokens": values[_TOKENS],
-                    "context_tokens": values[_CONTEXT],
-                    "reached_per_pos": values[4:4 + width],
-                    "accepted_per_pos": values[4 + width:],
-                })
-            number += 1
-            self._clear(np.array([slot]))
+        never decoded has none, and no number); their slots are freed. Columns: request,
+        segment, then this ledger's counts (`to_arrow` turns steps' rows into the column)."""
+        ids = np.asarray(requests, dtype=np.int64).reshape(-1)
+        slots = ids & self._mask
+        slots = slots[self._owner[slots] == ids]
+        if slots.size == 0:
+            return self._no_rows
+        blocks = slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)
+        counts = self._counts[blocks]  # (requests, segments, columns)
+        request, segment = np.nonzero(counts[:, :, _STEPS])
+        rows = np.column_stack((request, segment, counts[request, segment]))
+        self._clear(slots)
         return rows
 
     def discard(self, requests: ArrayLike) -> None:

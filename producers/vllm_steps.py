@@ -83,9 +83,9 @@ class VllmRequests:
         self._gone.extend(self._numbers.pop(req_id) for req_id in gone
                           if req_id in self._numbers)
 
-    def take_finished(self) -> list[dict[str, object]]:
+    def take_finished(self) -> Any:
         numbers, self._gone = self._gone, []
-        return self.ledger.finish(numbers) if numbers else []
+        return self.ledger.finish(numbers) if numbers else ()
 
 
 def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
@@ -95,7 +95,7 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
     out = raw.scheduler_output
     num_scheduled: dict[str, int] = out.num_scheduled_tokens
     batch_size = len(num_scheduled)
-    finished: list[dict[str, object]] = []
+    finished: Any = ()
     if requests is not None:
         requests.note_finished(raw)
         if batch_size:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import polars as pl
+import pyarrow.parquet as pq
 
 PARTITION_COLUMNS = ("model", "drafter", "hardware", "date", "hour")
 SOURCE_PARTITION = "source_partition"
@@ -60,7 +61,13 @@ def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = N
     files = sorted(Path(root).rglob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no Parquet telemetry under {root}")
-    frame = pl.scan_parquet([str(f) for f in files], hive_partitioning=True)
+    paths = [str(f) for f in files]
+    if len({tuple(pq.read_schema(path).names) for path in paths}) == 1:
+        frame = pl.scan_parquet(paths, hive_partitioning=True)
+    else:  # files of two schema versions (a fleet mid-upgrade): each read alone, the
+        # columns a version lacks (version 1: finished_requests) filled with nulls
+        frame = pl.concat([pl.scan_parquet(path, hive_partitioning=True) for path in paths],
+                          how="diagonal_relaxed")
     if since is not None:
         cutoff = (now or dt.datetime.now(dt.UTC)) - since
         frame = frame.filter(pl.col("ts_ns") >= int(cutoff.timestamp() * 1e9))

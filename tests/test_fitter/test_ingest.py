@@ -6,6 +6,7 @@ import io
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -159,3 +160,20 @@ def test_each_kind_of_bad_frame_goes_to_the_dlq(broker, topics, tmp_path, unique
         assert headers["tabletune-source-partition"] == b"0"
         assert message.key.decode().startswith(f"{topics.telemetry}:0:")
         assert headers["tabletune-dlq-detail"]
+
+
+def test_read_dataset_reads_files_of_both_schema_versions(tmp_path):
+    """A fleet mid-upgrade leaves version-1 files (no finished_requests) beside version-2
+    ones; the dataset reads both, the older rows with no requests."""
+    hour = tmp_path / "model=m" / "drafter=ngram" / "hardware=h" / "date=2026-12-01"
+    for number, table in enumerate([
+            pa.table({"engine_id": ["e"], "step_seq": [1], "ts_ns": [1]}),
+            pa.table({"engine_id": ["e"], "step_seq": [2], "ts_ns": [2],
+                      "finished_requests": pa.array([[{"request": 0, "segment": 3}]])})]):
+        folder = hour / f"hour={number}"
+        folder.mkdir(parents=True)
+        pq.write_table(table, folder / f"telemetry-0-{number}-{number}.parquet")
+    frame = read_dataset(tmp_path)
+    assert frame.get_column("step_seq").to_list() == [1, 2]
+    assert frame.get_column("finished_requests").to_list() == [None, [{"request": 0,
+                                                                       "segment": 3}]]

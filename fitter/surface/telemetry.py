@@ -294,10 +294,9 @@ def request_segment_rows(frame: pl.DataFrame, n_positions: int) -> NDArray[np.fl
             .explode(REQUESTS_COLUMN).drop_nulls(REQUESTS_COLUMN).unnest(REQUESTS_COLUMN))
     if rows.height == 0:
         return np.zeros((0, width))
-    engine = rows.get_column("engine_id").rank("dense").cast(pl.Int64).to_numpy()
     # a request is one (engine, step record, number within it)
-    request = ((engine * (1 << 40) + rows.get_column("step_seq").to_numpy() * 1024
-                + rows.get_column("request").to_numpy()).astype(np.float64))
+    request = (rows.select(pl.struct("engine_id", "step_seq", "request").rank("dense"))
+               .to_series().cast(pl.Float64).to_numpy())
     fixed = [rows.get_column(name).cast(pl.Float64).to_numpy()
              for name in ("decode_steps", "drafting_steps", "tokens", "context_tokens")]
     counts = []

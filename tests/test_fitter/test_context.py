@@ -90,3 +90,15 @@ def test_twin_requests_at_k3_predict_the_context_a_k2_batch_holds(tmp_path):
     assert true > 1.02  # the effect is real in the twin ...
     assert predicted[0] / predicted[1] == pytest.approx(true, abs=0.01)  # ... and predicted
     assert model.n_requests_ > 500
+
+
+def test_rows_from_two_engines_are_two_requests():
+    row = {"request": 0, "segment": 4, "decode_steps": 10, "drafting_steps": 10,
+           "tokens": 20, "context_tokens": 1000, "reached_per_pos": [10, 5],
+           "accepted_per_pos": [5, 2]}
+    frame = pl.DataFrame({"engine_id": ["a", "b", "a"], "step_seq": [7, 7, 8],
+                          "finished_requests": [[row], [row, {**row, "segment": 5}], []]})
+    X = request_segment_rows(frame, n_positions=3)
+    assert X.shape == (3, len(CONTEXT_COLUMNS) + 6)
+    assert len(set(X[:, 0])) == 2  # engine a's request and engine b's (two segments)
+    assert X[0, 5:].tolist() == [10, 5, 0, 5, 2, 0]  # a third position nobody reached

@@ -33,7 +33,7 @@ past the table is in the last segment, as its last entry is."""
 def generation_segment(generated: ArrayLike) -> np.ndarray:
     """Segment of a decode step that starts with `generated` tokens already generated."""
     counts = np.asarray(generated, dtype=np.int64)
-    return _SEGMENT_OF[np.minimum(np.maximum(counts, 0), _SEGMENT_OF.size - 1)]
+    return _SEGMENT_OF[np.minimum(counts, _SEGMENT_OF.size - 1)]  # counts are >= 0
 
 
 def to_arrow(steps: Sequence[np.ndarray], max_positions: int) -> pa.ListArray:
@@ -81,10 +81,12 @@ class RequestLedger:
         accepted = np.arange(width + 1)[None, :, None] > np.arange(width)
         steps = np.broadcast_to(np.array([1, 0, 0, 0]), (width + 1, width + 1, 4)).copy()
         steps[1:, :, _DRAFTING] = 1  # a draft reached position 1 iff the request drafted
-        self._step_rows = np.concatenate([steps, *np.broadcast_arrays(reached, accepted)],
-                                         axis=2).reshape(-1, 4 + 2 * width).astype(np.int64)
-        """One step's counts but tokens and context, at row
-        positions reached * (max_positions + 1) + positions accepted."""
+        by_reached = np.concatenate([steps, *np.broadcast_arrays(reached, accepted)],
+                                    axis=2).astype(np.int64)  # [reached, accepted]
+        drafts, accepted = np.arange(width + 1)[:, None], np.arange(width + 1)[None, :]
+        self._step_rows = by_reached[np.minimum(accepted + 1, drafts), accepted]
+        """One step's counts but tokens and context, at [drafts, accepted] (drafts reach
+        position i when all before it were accepted)."""
         self._no_rows = np.zeros((0, 6 + 2 * self.max_positions), dtype=np.int64)
         self.slots_reused = 0
 
@@ -104,10 +106,8 @@ class RequestLedger:
             self._clear(slots[stale])
             self._owner[slots[stale]] = ids[stale]
         rows = slots * REQUEST_SEGMENTS + generation_segment(generated)
-        width = self.max_positions
-        drafted = np.minimum(drafted, width)
-        accepted = np.minimum(accepted, drafted)
-        step = self._step_rows[np.minimum(accepted + 1, drafted) * (width + 1) + accepted]
+        drafted = np.minimum(drafted, self.max_positions)
+        step = self._step_rows[drafted, np.minimum(accepted, drafted)]
         step[:, _TOKENS] = emitted
         step[:, _CONTEXT] = context
         self._counts[rows] += step

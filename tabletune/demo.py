@@ -13,6 +13,7 @@ runs on the same traffic for comparison. Writes `demo-out/report.md` and PNG plo
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,9 @@ def run_demo(out_dir: Path, *, phase_s: float = 300.0, engines_per_group: int = 
 
     console = console or Console()
     out_dir.mkdir(parents=True, exist_ok=True)
+    # each demo starts a fresh broker, whose offsets start at 0 again: Parquet left by an
+    # earlier run would name those offsets as already ingested, and ingest would skip them
+    shutil.rmtree(out_dir / "parquet", ignore_errors=True)
     started = time.monotonic()
     results = {g.name: GroupResult(g) for g in GROUPS}
     with EmbeddedBroker() as broker, _progress(console) as progress:

@@ -90,7 +90,6 @@ class _ColumnBuffer:
         self.accepted_len = np.zeros(capacity, dtype=np.int32)
         self.finished: list[Any] = [()] * capacity
         """Per step, `RequestLedger.finish` rows (or nothing)."""
-        self.max_positions = max(max_positions, 1)
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = self.size
@@ -103,7 +102,7 @@ class _ColumnBuffer:
         mask = np.arange(self.accepted.shape[1])[None, :] < lengths[:, None]
         values = self.accepted[:n][mask]
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-        cols["finished_requests"] = to_arrow(self.finished[:n], self.max_positions)
+        cols["finished_requests"] = to_arrow(self.finished[:n], self.accepted.shape[1])
         cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
         for name in ("engine_id", "model", "drafter", "hardware"):
             cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())

@@ -22,6 +22,8 @@ from numpy.typing import ArrayLike
 from schemas.step_record import REQUEST_SEGMENT_TYPE, REQUEST_SEGMENTS
 
 _STEPS, _DRAFTING, _TOKENS, _CONTEXT = range(4)
+_ROW_FIXED = 6
+"""Columns of a finished row before the position counts: request, segment, the four sums."""
 
 
 _SEGMENT_OF = np.minimum(np.floor(np.log2(np.maximum(np.arange(1 << 16), 1))),
@@ -42,7 +44,7 @@ def to_arrow(steps: Sequence[np.ndarray], max_positions: int) -> pa.ListArray:
     counts = np.array([len(rows) for rows in steps], dtype=np.int32)
     offsets = np.zeros(len(steps) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
-    width = 6 + 2 * max_positions
+    width = _ROW_FIXED + 2 * max_positions
     flat = (np.concatenate([rows for rows in steps if len(rows)]) if offsets[-1]
             else np.zeros((0, width), dtype=np.int64))
     if flat.shape[1] != width:
@@ -53,13 +55,10 @@ def to_arrow(steps: Sequence[np.ndarray], max_positions: int) -> pa.ListArray:
         values = pa.array(flat[:, first:first + max_positions].reshape(-1).astype(np.int32))
         return pa.ListArray.from_arrays(pa.array(per_pos), values)
 
-    fields = REQUEST_SEGMENT_TYPE
+    fields = list(REQUEST_SEGMENT_TYPE)  # request, segment, the four sums, the two lists
+    sums = [pa.array(flat[:, i], type=field.type) for i, field in enumerate(fields[:_ROW_FIXED])]
     struct = pa.StructArray.from_arrays(
-        [pa.array(flat[:, 0].astype(np.int32)), pa.array(flat[:, 1].astype(np.int8)),
-         pa.array(flat[:, 2].astype(np.int32)), pa.array(flat[:, 3].astype(np.int32)),
-         pa.array(flat[:, 4].astype(np.int32)), pa.array(flat[:, 5]),
-         positions(6), positions(6 + max_positions)],
-        fields=list(fields))
+        [*sums, positions(_ROW_FIXED), positions(_ROW_FIXED + max_positions)], fields=fields)
     return pa.ListArray.from_arrays(pa.array(offsets), struct)
 
 
@@ -87,7 +86,7 @@ class RequestLedger:
         self._step_rows = by_reached[np.minimum(accepted + 1, drafts), accepted]
         """One step's counts but tokens and context, at [drafts, accepted] (drafts reach
         position i when all before it were accepted)."""
-        self._no_rows = np.zeros((0, 6 + 2 * self.max_positions), dtype=np.int64)
+        self._no_rows = np.zeros((0, _ROW_FIXED + 2 * self.max_positions), dtype=np.int64)
         self.slots_reused = 0
 
     def observe(self, requests: ArrayLike, *, generated: ArrayLike, drafted: ArrayLike,

@@ -48,21 +48,16 @@ class VllmRequests:
         self._next = itertools.count()
         self._gone: list[int] = []
 
-    def observe(self, raw: RawStep) -> None:
-        out = raw.scheduler_output
-        cached = out.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        drafts_of = out.scheduled_spec_decode_tokens
-        num_scheduled = out.num_scheduled_tokens
+    def observe(self, raw: RawStep, decoding: list[tuple[str, int, int]]) -> None:
+        """This step's decoding requests as `build_step_fields` sorted them: (request id,
+        tokens generated before the step, context)."""
+        drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
         lengths, index_of = raw.sampled_lengths, raw.req_id_to_index
         numbers, generated, drafted, accepted, emitted, context = [], [], [], [], [], []
-        for req_id, computed, outputs in zip(cached.req_ids, cached.num_computed_tokens,
-                                             cached.num_output_tokens, strict=False):
-            scheduled = num_scheduled.get(req_id, 0)
+        for req_id, outputs, tokens in decoding:
             index = index_of.get(req_id)
-            if (outputs == 0 or req_id in resumed or not scheduled or index is None
-                    or index >= len(lengths) or not lengths[index]):
-                continue  # a prefill, or a request that sampled nothing this step
+            if index is None or index >= len(lengths) or not lengths[index]:
+                continue  # sampled nothing this step
             number = self._numbers.get(req_id)
             if number is None:
                 number = self._numbers[req_id] = next(self._next)
@@ -72,7 +67,7 @@ class VllmRequests:
             drafted.append(drafts)
             accepted.append(min(lengths[index] - 1, drafts))
             emitted.append(lengths[index])
-            context.append(computed + scheduled)
+            context.append(tokens)
         self.ledger.observe(numbers, generated=generated, drafted=drafted, accepted=accepted,
                             emitted=emitted, context=context)
 
@@ -100,7 +95,6 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         requests.note_finished(raw)
         if batch_size:
             finished = requests.take_finished()
-            requests.observe(raw)
     if batch_size == 0:
         return None
 
@@ -129,13 +123,18 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         context_lengths.append(new.num_computed_tokens + scheduled)
     cached = out.scheduled_cached_reqs
     resumed = cached.resumed_req_ids
+    decoding: list[tuple[str, int, int]] = []
     for req_id, computed, outputs in zip(cached.req_ids, cached.num_computed_tokens,
                                          cached.num_output_tokens, strict=False):
         scheduled = num_scheduled.get(req_id, 0)
         if outputs == 0 or req_id in resumed:
             prefill_reqs += 1
             prefill_tokens += scheduled
+        elif scheduled:
+            decoding.append((req_id, outputs, computed + scheduled))
         context_lengths.append(computed + scheduled)
+    if requests is not None:
+        requests.observe(raw, decoding)
 
     kv_tokens = sum(context_lengths)
     previous = raw.previous_update_start_s

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from numpy.typing import NDArray
 
+from fitter.surface.context import CONTEXT_COLUMNS
 from fitter.surface.latency import LATENCY_COLUMNS
 
 NEEDED_COLUMNS: tuple[str, ...] = (
@@ -287,7 +288,7 @@ def request_segment_rows(frame: pl.DataFrame, n_positions: int) -> NDArray[np.fl
     """The finished requests' segments as `fitter.surface.context` reads them (one row per
     request segment; columns `CONTEXT_COLUMNS`, then reached and accepted counts for
     positions 1..n_positions). Empty (0 rows) when the records carry none."""
-    width = 5 + 2 * n_positions
+    width = len(CONTEXT_COLUMNS) + 2 * n_positions
     if REQUESTS_COLUMN not in frame.columns or frame.height == 0:
         return np.zeros((0, width))
     rows = (frame.select("engine_id", "step_seq", REQUESTS_COLUMN)
@@ -298,7 +299,7 @@ def request_segment_rows(frame: pl.DataFrame, n_positions: int) -> NDArray[np.fl
     request = (rows.select(pl.struct("engine_id", "step_seq", "request").rank("dense"))
                .to_series().cast(pl.Float64).to_numpy())
     fixed = [rows.get_column(name).cast(pl.Float64).to_numpy()
-             for name in ("decode_steps", "drafting_steps", "tokens", "context_tokens")]
+             for name in CONTEXT_COLUMNS[1:]]
     counts = []
     for name in ("reached_per_pos", "accepted_per_pos"):
         lists = rows.get_column(name)

@@ -34,23 +34,25 @@ def predicted_gain(candidate: TableEnvelope, current: DraftTable,
     grid = np.asarray(surface["batch_sizes"], dtype=np.int64)
     k_index = {int(k): j for j, k in enumerate(surface["k_values"])}
     goodput = np.asarray(surface["goodput_tok_s"], dtype=np.float64)
-    rows = np.clip(np.searchsorted(grid, np.minimum(batch_sizes, grid[-1])), 0, grid.size - 1)
-    weight = np.bincount(rows, minlength=grid.size).astype(np.float64)
+    # each table is read at the batch sizes that ran, not at the grid's: two tables that
+    # differ only between grid points (K4 over 51-63 where the grid has 45 and 64) differ
+    sizes, steps = np.unique(np.clip(batch_sizes, 1, grid[-1]), return_counts=True)
+    rows = np.clip(np.searchsorted(grid, sizes), 0, grid.size - 1)
+    weight = steps.astype(np.float64)
     new_dense = candidate.table.to_dense(int(grid[-1]))
     old_dense = current.to_dense(int(grid[-1]))
-    new_col = np.array([k_index.get(new_dense[b], -1) for b in grid])
-    old_col = np.array([k_index.get(old_dense[b], -1) for b in grid])
+    new_col = np.array([k_index.get(new_dense[b], -1) for b in sizes])
+    old_col = np.array([k_index.get(old_dense[b], -1) for b in sizes])
     if (new_col < 0).any() or (old_col < 0).any():
         return 0.0, 0.0
-    at = np.arange(grid.size)
-    new = float(np.sum(weight * goodput[at, new_col]))
-    old = float(np.sum(weight * goodput[at, old_col]))
+    new = float(np.sum(weight * goodput[rows, new_col]))
+    old = float(np.sum(weight * goodput[rows, old_col]))
     if old <= 0:
         return 0.0, 0.0
     differ = new_col != old_col
     if "goodput_stderr_tok_s" not in surface or not differ.any():
         return new / old - 1.0, 0.0
     stderr = np.asarray(surface["goodput_stderr_tok_s"], dtype=np.float64)
-    se_new = float(np.sum(weight[differ] * stderr[at[differ], new_col[differ]]))
-    se_old = float(np.sum(weight[differ] * stderr[at[differ], old_col[differ]]))
+    se_new = float(np.sum(weight[differ] * stderr[rows[differ], new_col[differ]]))
+    se_old = float(np.sum(weight[differ] * stderr[rows[differ], old_col[differ]]))
     return new / old - 1.0, float(np.hypot(se_new, se_old)) / old

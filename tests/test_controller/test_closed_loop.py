@@ -143,6 +143,32 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
         assert abs(seconds - expected) < 1.0, (k, runs)
 
 
+
+def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
+    """`follow_up_s` after the re-profile's table is staged the loop refits once more and
+    publishes if the gain clears `follow_up_min_gain` alone; the periodic refits go on
+    under their own bar, with no second follow-up until the next re-profile."""
+    scenario = ngram_chat_to_code(code_s=230)
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    config = policy.loop.config
+    decisions = policy.loop.decisions
+    refits = [d for d in decisions if d["what"] == "refit" and d["t_s"] > 70.0]
+    stale = [d for d in refits if d["reason"] == "stale"]
+    follow_ups = [d for d in refits if d["reason"] == "follow_up"]
+    assert len(stale) == 1 and len(follow_ups) == 1, refits
+    follow_up = follow_ups[0]
+    assert follow_up["t_s"] >= stale[0]["t_s"] + config.follow_up_s
+    staged = [d for d in decisions if d["what"] == "stage" and d["t_s"] == follow_up["t_s"]]
+    assert bool(staged) == (follow_up["gain"] >= config.follow_up_min_gain), (follow_up, staged)
+    periodic = [d for d in refits if d["reason"] == "periodic" and d["t_s"] > stale[0]["t_s"]]
+    assert any(d["t_s"] > follow_up["t_s"] for d in periodic), refits
+    for refit in periodic:
+        published = any(d["what"] == "stage" and d["t_s"] == refit["t_s"] for d in decisions)
+        assert not published or refit["gain"] >= config.min_gain, refit
+
 def assert_reprofile_restarted(scenario: Scenario) -> None:
     """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
     regime moved under it after 160 s (during its confirmation) and sweeps again: the next

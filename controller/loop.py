@@ -270,7 +270,6 @@ class ClosedLoop:
             self.state = LoopState.LIVE
             self._next_refit_s = now_s + self.config.refit_interval_s
             self._note(now_s, "reprofile_abandoned", version=envelope.version)
-            self._follow_up_s = None
         self._sync(now_s, guard=guard, after_drift=after_drift)
 
     def tick(self, now_s: float, records: pa.Table | None) -> None:

@@ -88,7 +88,7 @@ class _ColumnBuffer:
         self.columns["forced"] = np.zeros(capacity, dtype=np.bool_)
         self.accepted = np.zeros((capacity, max(max_positions, 1)), dtype=np.int32)
         self.accepted_len = np.zeros(capacity, dtype=np.int32)
-        self.finished: list[Any] = [()] * capacity
+        self.finished: list[np.ndarray | tuple[()]] = [()] * capacity
         """Per step, `RequestLedger.finish` rows (or nothing)."""
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
@@ -143,7 +143,7 @@ class StepRecorder:
         num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: Sequence[int],
         kv_tokens: int, ctx_len_mean: float, ctx_len_max: int, step_latency_s: float,
         inter_step_s: float, forced: bool = False, ts_ns: int | None = None,
-        finished_requests: Any = (),
+        finished_requests: np.ndarray | tuple[()] = (),
     ) -> int:
         """Append one step; returns its step_seq. Never blocks on I/O, never raises on data.
 

@@ -38,7 +38,7 @@ def generation_segment(generated: ArrayLike) -> np.ndarray:
     return _SEGMENT_OF[np.minimum(counts, _SEGMENT_OF.size - 1)]  # counts are >= 0
 
 
-def to_arrow(steps: Sequence[np.ndarray], max_positions: int) -> pa.ListArray:
+def to_arrow(steps: Sequence[np.ndarray | tuple[()]], max_positions: int) -> pa.ListArray:
     """The `finished_requests` column of a frame from each step's `RequestLedger.finish`
     rows (built from flat columns: a frame holds thousands of rows)."""
     counts = np.array([len(rows) for rows in steps], dtype=np.int32)

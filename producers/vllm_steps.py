@@ -14,6 +14,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from producers.request_ledger import RequestLedger
 
 
@@ -78,9 +80,9 @@ class VllmRequests:
         self._gone.extend(self._numbers.pop(req_id) for req_id in gone
                           if req_id in self._numbers)
 
-    def take_finished(self) -> Any:
+    def take_finished(self) -> np.ndarray:
         numbers, self._gone = self._gone, []
-        return self.ledger.finish(numbers) if numbers else ()
+        return self.ledger.finish(numbers)
 
 
 def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
@@ -90,7 +92,7 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
     out = raw.scheduler_output
     num_scheduled: dict[str, int] = out.num_scheduled_tokens
     batch_size = len(num_scheduled)
-    finished: Any = ()
+    finished: np.ndarray | tuple[()] = ()
     if requests is not None:
         requests.note_finished(raw)
         if batch_size:

@@ -47,7 +47,7 @@ def test_a_gain_within_the_surfaces_noise_has_a_stderr_as_large() -> None:
 
 
 def test_tables_that_differ_between_grid_points_differ() -> None:
-    """The surface is stored at 32 and 64 only; the current table runs K4 over 41-63 and
+    """The surface has no row between 32 and 64; the current table runs K4 over 41-63 and
     the candidate K3 there. At 60 users the swap is the grid row 64's K3-over-K4 gain."""
     candidate = envelope([[1, 64, 3]], goodput_k4=950.0, stderr=1.0)
     current = DraftTable.from_vllm([[1, 40, 3], [41, 63, 4], [64, 64, 3]])

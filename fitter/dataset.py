@@ -3,6 +3,12 @@
 Layout: `DIR/model=M/drafter=D/hardware=H/date=YYYY-MM-DD/hour=HH/<topic>-p<partition>-
 <first offset>-<last offset>.parquet`. A file's name says which Kafka offsets it holds, so a
 restarted ingest can tell exactly which records are already durable (see ingest.py).
+
+Identity is never read back from the folder names: every file keeps its records' `model`,
+`drafter` and `hardware` columns byte for byte, and the folders only sort the files. Their
+values are percent-encoded (`meta-llama/Llama-3.1-8B` -> `meta-llama%2FLlama-3%2E1-8B`), which
+`unescape` reverses; files of an older ingest, which kept identity only in the folder names
+(then spelled lossily, `/` and spaces as `_`), get their columns from there.
 """
 
 from __future__ import annotations
@@ -10,20 +16,22 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
 
-PARTITION_COLUMNS = ("model", "drafter", "hardware", "date", "hour")
+IDENTITY_COLUMNS = ("model", "drafter", "hardware")
+PARTITION_COLUMNS = (*IDENTITY_COLUMNS, "date", "hour")
 SOURCE_PARTITION = "source_partition"
 SOURCE_OFFSET = "source_offset"
 _FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<last>\d+)\.parquet$")
 
 
 def hive_path(model: str, drafter: str, hardware: str, date: str, hour: int) -> str:
-    return "/".join(f"{k}={_escape(v)}" for k, v in (
+    return "/".join(f"{k}={escape(v)}" for k, v in (
         ("model", model), ("drafter", drafter), ("hardware", hardware), ("date", date),
         ("hour", f"{hour:02d}")))
 
@@ -61,12 +69,12 @@ def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = N
     files = sorted(Path(root).rglob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no Parquet telemetry under {root}")
-    paths = [str(f) for f in files]
-    if len({tuple(pq.read_schema(path).names) for path in paths}) == 1:
-        frame = pl.scan_parquet(paths, hive_partitioning=True)
+    schemas = {path: tuple(pq.read_schema(path).names) for path in files}
+    if len(set(schemas.values())) == 1 and set(IDENTITY_COLUMNS) <= set(schemas[files[0]]):
+        frame = pl.scan_parquet([str(path) for path in files], hive_partitioning=False)
     else:  # files of two schema versions (a fleet mid-upgrade): each read alone, the
         # columns a version lacks (version 1: finished_requests) filled with nulls
-        frame = pl.concat([pl.scan_parquet(path, hive_partitioning=True) for path in paths],
+        frame = pl.concat([_scan_one(path, names) for path, names in schemas.items()],
                           how="diagonal_relaxed")
     if since is not None:
         cutoff = (now or dt.datetime.now(dt.UTC)) - since
@@ -75,5 +83,23 @@ def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = N
             .sort(["engine_id", "step_seq"]).collect())
 
 
-def _escape(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", value) or "_"
+def escape(value: str) -> str:
+    """A folder-safe, reversible spelling of a key field (`unescape` undoes it): percent-
+    encoding of every byte but letters, digits and `_-~`, so `/`, spaces, `.` and `=` can
+    neither nest folders nor read as another hive field."""
+    return urllib.parse.quote(value, safe="").replace(".", "%2E") or "%00"
+
+
+def unescape(text: str) -> str:
+    """The key field `escape` spelled as `text`."""
+    return "" if text == "%00" else urllib.parse.unquote(text, errors="strict")
+
+
+def _scan_one(path: Path, names: tuple[str, ...]) -> pl.LazyFrame:
+    """One file, with the identity columns an older ingest left only in its folders."""
+    frame = pl.scan_parquet(str(path), hive_partitioning=False)
+    folders = dict(part.split("=", 1) for part in path.parent.parts if "=" in part)
+    missing = [name for name in IDENTITY_COLUMNS if name not in names]
+    if missing and not set(missing) <= set(folders):
+        raise ValueError(f"{path}: no {missing} column and no {missing} folder")
+    return frame.with_columns(pl.lit(unescape(folders[name])).alias(name) for name in missing)

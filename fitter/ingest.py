@@ -222,7 +222,7 @@ class Ingestor:
                                                                  last)
             final.parent.mkdir(parents=True, exist_ok=True)
             temporary = final.parent / f".tmp-{final.name}"
-            table = group.drop(["model", "drafter", "hardware"]).to_arrow()
+            table = group.to_arrow()  # identity stays in the file, byte for byte
             pq.write_table(table, temporary, compression="zstd")
             _fsync(temporary)
             written.append((temporary, final, directory, first, last))

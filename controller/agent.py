@@ -46,8 +46,11 @@ class TableAgentState:
 class TableAgent:
     """Decides the desired table version from the log; one instance per engine and key."""
 
-    def __init__(self, limits: EngineLimits, keyring: Mapping[str, bytes], emit: Emit) -> None:
+    def __init__(self, limits: EngineLimits, keyring: Mapping[str, bytes], emit: Emit, *,
+                 engine_id: str | None = None) -> None:
+        """`engine_id`: which targeted controls are for this engine (None: untargeted only)."""
         self.limits = limits
+        self.engine_id = engine_id
         self.keyring = dict(keyring)
         self.emit = emit
         self.state = TableAgentState()
@@ -72,7 +75,7 @@ class TableAgent:
         return True
 
     def on_control(self, control: TableControl) -> None:
-        if control.key != self.limits.key:
+        if control.key != self.limits.key or not control.applies_to(self.engine_id):
             return
         if self.keyring:
             try:

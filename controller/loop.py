@@ -34,11 +34,11 @@ minutes after a sweep it asks acceptance for twice the shift
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,15 +46,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from controller.agent import TableAgent
-from controller.drift import DriftConfig, DriftDetector
-from controller.exploration import ExplorationConfig, explorer_for
-from controller.guardrail import Guardrail, GuardrailConfig, Verdict
+from controller.channel import ControlChannel, clock_time
+from controller.drift import DriftDetector
+from controller.guardrail import Guardrail, Verdict
+from controller.loop_config import LoopConfig
 from controller.refit_gate import predicted_gain
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
+from controller.sweep import Sweep, confirmation_k_values, first_position_acceptance
 from controller.validation import EngineLimits
-from producers.table_switch import TableSwitch
-from schemas import DraftTable, TableEnvelope
+from schemas import DraftTable, TableControl, TableEnvelope
 
 log = logging.getLogger(__name__)
 
@@ -65,179 +66,56 @@ CHOSEN_AMONG_K = "chosen_among_k"
 """Provenance key of the refit that ends a re-profile: the K values its confirmation ran and
 the table was chosen among (the drift detector's `confirmed` factor keys on it)."""
 
-
-def first_position_acceptance(records: pa.Table, mask: np.ndarray,
-                              min_drafts: int = 200) -> float | None:
-    """Share of drafts whose first token was accepted, over the steps in `mask` (None with
-    fewer than `min_drafts`): every drafting step drafts a first position, so unlike
-    accepted tokens per draft it is not cut off by K and compares steps that ran different
-    K. Not free of K: at a larger K a closed loop's batch holds fewer well-accepting
-    requests (twin, n-gram chat at a fixed K: 0.40 at K1, 0.28 at K3, 0.21 at K7), so only
-    large gaps between it at different K say that the workload moved."""
-    drafts = records.column("num_drafts").to_numpy().astype(np.float64)
-    chosen = mask & (drafts > 0)
-    if drafts[chosen].sum() < min_drafts:
-        return None
-    lists = records.column("accepted_per_pos").filter(pa.array(chosen))
-    first = pc.list_element(lists, 0).to_numpy(zero_copy_only=False)
-    return float(first.sum() / drafts[chosen].sum())
-
-
-def confirmation_k_values(k_values: tuple[int, ...], chosen: int,
-                          width: int = 3) -> tuple[int, ...]:
-    """The `width` neighbouring K values of `k_values` around the sweep's pick `chosen`,
-    shifted inward at either end of the set rather than cut short: the short sweep's pick is
-    one K off often enough that the best K must be able to lie on either side of it (twin,
-    n-gram code: the sweep pointed to K7, so only K6 and K7 ran and K6 was kept where K5 is
-    0.3-0.8% better; 6 of 40 seeds)."""
-    at = k_values.index(chosen)
-    first = max(0, min(at - width // 2, len(k_values) - width))
-    return k_values[first:first + width]
+ROLLBACK_OF = "rollback_of"
+"""Provenance key of an envelope that puts an earlier table back after a guardrail verdict:
+the version it withdraws. A rollback is a new version, so a log replayed from the beginning
+folds to the same table as one followed live."""
 
 
 class LoopState(enum.Enum):
     PROFILING = "profiling"
-    """Forced-K sweep on a cold engine; ends with the first table."""
+    """Forced-K sweep on a cold key; ends with the first table."""
     LIVE = "live"
     """Following fitted tables; refits, exploration, guardrail and drift detection on."""
     REPROFILING = "reprofiling"
-    """Drift was detected: a short forced sweep, long runs at the K it points to and its
-    neighbours, then a refit on the new regime only."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoopConfig:
-    profile_block_s: float = 2.0
-    """Each K of the startup set runs this long in the first sweep ..."""
-    profile_rounds: int = 2
-    """... this many times over (rounds spread each K over time and load)."""
-    reprofile_on_stale: bool = True
-    reprofile_settle_s: float = 10.0
-    """A drift can show before the new regime has settled (the old traffic's long requests
-    still run): the re-profile waits this long, on the current table, so that it measures
-    the new regime rather than the mix of both. Short, because the drift detector's
-    minute-long window reports a switch only once it dominates. Its steps are the
-    guardrail's baseline for the refit at the re-profile's end."""
-    reprofile_block_s: float = 1.0
-    """Each K's block in the re-profile's sweep, which runs the K values up and back down
-    (0..7, 7..0): the acceptance of the few requests that dominate a closed loop wanders
-    over seconds, and a sweep that only went up read that trend as the deep positions'
-    acceptance (under n-gram its pick was one or two K off in a third of re-profiles).
-    Mirrored, a trend cancels between each K's two blocks, in the same 16 s."""
-    confirm_block_s: float = 6.0
-    """After the re-profile's short sweep, the K its fit picks at the load of the moment and
-    the K on each side run this long each, twice over in mirrored order (0 = skip). A short
-    block shows each K on the batch the K before it left behind; which requests a closed
-    loop holds (and so what a K really emits, and at what context) settles only over a
-    request's lifetime, and between neighbouring K that decides the choice."""
-    regime_acceptance_factor: float = 4.0
-    """A re-profile also starts again (once) when the acceptance of the first draft position
-    (`first_position_acceptance`) in the confirmation's last run is off its first run's (the
-    same K) by this many of the drift detector's acceptance thresholds (0 = never): the
-    confirmation then ran the K values a sweep of another workload pointed to (twin, n-gram: a
-    `stale` from the chat traffic's wander 27 s before the switch to code; K1-3 confirmed on
-    code, K3 kept where K5 is 4% better). Four thresholds (60%): chat and code differ by about
-    90% there (twin traces); the old traffic draining moved it by up to 62%, and at two
-    thresholds 22 of 80 n-gram re-profiles restarted."""
-    refit_interval_s: float = 30.0
-    fit_window_s: float = 180.0
-    half_life_s: float = 60.0
-    tolerance: float = 0.0
-    """The fitter's derivation tolerance (`fitter.derive.choose_k`): its 1% default trades
-    goodput for fewer ranges and smaller K on a fleet's table; one engine at one load has
-    the telemetry to take the argmax. At 0.5% it kept EAGLE at 64 users off K4, which the
-    re-profile's fit overrates by 0.6% (1.5% worse in fact), and cost n-gram chat its best
-    K: K2 within 0.5% of K3 (0.1% better in fact) in 119 of 160 phases (twin). The
-    follow-up refit (`follow_up_s`) now takes K4 back to K3 where it comes."""
-    fewest_ranges: bool = False
-    """Off: each batch size takes its smallest K within `tolerance` of its best
-    (`fitter.derive.choose_k`). The fewest-ranges pass, right for a fleet's table, stretches
-    a range over the batch size the engine runs at with a K that is only within the
-    tolerance there (twin, n-gram chat after code, 48 users: [[1, 83, 4], ...] where K3 is
-    0.2% better than K4 at 46, and K4 is 1.7% worse than K3 in fact)."""
-    min_gain: float = 0.01
-    """A periodic refit is published only if it predicts at least this much more goodput."""
-    gain_z: float = 2.0
-    """... and only if that gain is this many of its standard errors (the surface's): a
-    gain the fit cannot tell from noise is a swap on an extrapolation."""
-    follow_up_s: float = 60.0
-    """One refit this long after a re-profile's table is staged, judged by the lower
-    `follow_up_min_gain` bar alone (0 = none). The re-profile chose among its confirmed K on
-    a minute of data; between neighbouring K within a fraction of a percent of each other
-    its pick is close to a coin flip (twin, n-gram chat: its K3/K2 varies 0.9% between
-    seeds where K3 is 0.1% better, and does not track the seed's own ratio, correlation
-    -0.16; EAGLE at 64 users: K4, 1.5% worse than K3, in 3 of 40 phases at tolerance 0).
-    Later fits hold the new table's live steps, the exploration at its neighbours and the
-    sweep: late in the phase their K3/K2 varies 0.4% and tracks the seed's (0.75), and the
-    follow-up took each of those K4 back to K3. The periodic refits' standard-error test
-    never passes on such a gap, and lowering their bar instead swapped back and forth
-    (twin: 0.8 swaps per phase in the measured window, recovery 0.982 against 0.988 without);
-    one follow-up per re-profile settles the choice once (160 seeds: chat-again recovery
-    0.977 -> 0.985, the concurrency jump 0.985 -> 0.988, BENCHMARKS.md)."""
-    follow_up_min_gain: float = 0.002
-    """The follow-up publishes a table predicted to gain at least this much (no
-    standard-error test: a swap between near-equals risks little, and the guardrail
-    watches it)."""
-    watch_hold_s: float = 60.0
-    """No periodic refit this long into a guardrail watch (the swap would end it unjudged);
-    after that a watch still without a verdict no longer holds refits back."""
-    rollback_cooldown_s: float = 60.0
-    """No periodic refit this long after a rollback (the same fit would come back)."""
-    exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
-    guardrail: GuardrailConfig = field(default_factory=GuardrailConfig)
-    drift: DriftConfig = field(default_factory=DriftConfig)
-
-
-@dataclass
-class _Sweep:
-    blocks: list[int | None]
-    """K per block; None = the current table, unforced (the settling stretch, which is also
-    the guardrail's baseline for the refit at the end)."""
-    block_s: list[float]
-    started_s: float
-    index: int = -1
-    confirm: bool = False
-    """When the blocks run out: fit, then append the confirmation runs."""
-    fit_since_s: float | None = None
-    """Fits take the records from here on (default: the sweep's start)."""
-    confirmed: tuple[int, ...] = ()
-    """The K values the confirmation ran: the refit after it chooses among them."""
-    confirm_started_s: float | None = None
-    """When the confirmation's runs began (None: not planned yet)."""
-    restarted: bool = False
-    """This re-profile is the second for one `stale`: the regime moved under the first."""
-
-    @property
-    def records_from_s(self) -> float:
-        """Where the records the sweep's fits take begin."""
-        return self.started_s if self.fit_since_s is None else self.fit_since_s
+    """Drift was detected: a short forced sweep on the canaries, long runs at the K it
+    points to and its neighbours, then a refit on the new regime only."""
 
 
 class ClosedLoop:
-    def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
-                 fit: Fit, config: LoopConfig | None = None,
-                 mirror: Callable[[TableEnvelope], None] | None = None) -> None:
-        self.switch = switch
-        self.mirror = mirror
-        """Called with each envelope the loop fits and publishes (e.g. to the tables topic)."""
+    def __init__(self, channel: ControlChannel, limits: EngineLimits, status: StatusPublisher,
+                 fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
+                 current: TableEnvelope | None = None, newest_version: int = 0) -> None:
+        """`channel`: where envelopes and controls go (the tables topic, or the twin's
+        engines in memory); `startup_table`: what the key's engines run before any version;
+        `current`, `newest_version`: what the tables topic already holds for the key (a
+        restarted control service goes on from there, LIVE, rather than profiling again)."""
+        self.channel = channel
+        self.startup_table = startup_table
         self.limits = limits
         self.status = status
         self.fit = fit
         self.config = config or LoopConfig()
         self.agent = TableAgent(limits, {}, status.emit)
+        """The fleet's table as the loop has decided it: versions, withdrawn ones, history."""
         self.guardrail = Guardrail(self.config.guardrail)
         self.drift = DriftDetector(limits.max_batch, self.config.drift)
         self.k_values = tuple(sorted(limits.startup_k_values))
         self.state = LoopState.PROFILING
         self._records: deque[pa.Table] = deque()
         self._data_since_s = 0.0
-        self._active_version = switch.version
+        self._active_version = 0
+        self._forcing: tuple[str, ...] | None = None
+        """Targets of the force the loop holds on engines (None: none)."""
+        self._engines_seen: dict[str, float] = {}
+        """Engine id -> telemetry time of its last step (who is live, for canaries)."""
+        self._muted = False
+        """Set while the loop takes in an envelope the engines already have."""
         self._next_refit_s = 0.0
         self._cooldown_until_s = 0.0
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
-        self._staged: tuple[int, float] | None = None
-        self._sweep: _Sweep | None = None
+        self._sweep: Sweep | None = None
         self._fitted_range: tuple[int, int] | None = None
         self._anchor: pa.Table | None = None
         """Records of the last (re-)profile sweep."""
@@ -248,12 +126,34 @@ class ClosedLoop:
         """Every decision with its virtual time, for benchmarks and tests."""
         self.applied: list[tuple[float, int, DraftTable]] = []
         """(virtual time, version, table) of each table the loop staged, in order."""
+        if current is not None or newest_version > 0:
+            self._resume(current, newest_version)
 
     # ---- inputs ---------------------------------------------------------------------------
+    def _resume(self, current: TableEnvelope | None, newest_version: int) -> None:
+        """Go on from the tables topic's state: the newest version's number, and the table
+        the fleet runs (LIVE, with a refit due; no profile)."""
+        if current is not None:
+            self.agent.state.newest_version = current.version - 1
+            self.agent.on_envelope(current)
+            self._active_version = current.version
+        self.agent.state.newest_version = max(newest_version, self.agent.state.newest_version)
+        self.state = LoopState.LIVE
+
     def start(self, now_s: float) -> None:
+        """A cold key profiles every engine at once (no table to protect yet); a resumed
+        loop refits after a fit window of live steps instead."""
         cfg = self.config
+        if self.state is LoopState.LIVE:
+            self._data_since_s = now_s
+            self._next_refit_s = now_s + cfg.refit_interval_s
+            desired = self.agent.desired()
+            self.drift.set_envelope(self._active_version,
+                                    None if desired is None else desired.surface, now_s)
+            self._note(now_s, "resume", version=self._active_version)
+            return
         blocks: list[int | None] = [*self.k_values] * cfg.profile_rounds
-        self._sweep = _Sweep(blocks, [cfg.profile_block_s] * len(blocks), now_s)
+        self._sweep = Sweep(blocks, [cfg.profile_block_s] * len(blocks), now_s)
         self._note(now_s, "profile", blocks=len(blocks))
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
@@ -265,16 +165,30 @@ class ClosedLoop:
         fitter's) table runs now, under the guardrail, rather than after the sweep's refit
         replaces it unwatched."""
         accepted = self.agent.on_envelope(envelope)
-        if accepted and self.state is LoopState.REPROFILING:
+        if accepted and self.state is not LoopState.LIVE:
             self._sweep = None
+            self._release(now_s)
             self.state = LoopState.LIVE
             self._next_refit_s = now_s + self.config.refit_interval_s
             self._note(now_s, "reprofile_abandoned", version=envelope.version)
         self._sync(now_s, guard=guard, after_drift=after_drift)
 
+    def observe_envelope(self, envelope: TableEnvelope, now_s: float) -> None:
+        """An envelope on the tables topic that this loop did not send (an operator's, or
+        another control replica's): the engines have it already; the loop takes it as the
+        fleet's table, watched by the guardrail."""
+        if envelope.version <= self.agent.state.newest_version:
+            return  # one of ours, read back, or older
+        self._muted = True
+        try:
+            self.publish(envelope, now_s)
+        finally:
+            self._muted = False
+
     def tick(self, now_s: float, records: pa.Table | None) -> None:
         """Once per control interval with the records recorded since the last tick."""
-        self._confirm_applied(now_s)
+        if records is not None and records.num_rows:
+            records = self._note_engines(records, now_s)
         if records is not None and records.num_rows:
             self._records.append(records)
             self._trim(now_s)
@@ -301,8 +215,9 @@ class ClosedLoop:
             self._note(now_s, "roll_back", **evidence)
             evidence.pop("old_version", None)
             evidence.pop("new_version", None)
+            withdrawn = self.agent.state.desired_version
             self.agent.roll_back("guardrail", **evidence)
-            self._sync(now_s, guard=False)
+            self._roll_forward(now_s, withdrawn)
             self._cooldown_until_s = now_s + self.config.rollback_cooldown_s
             self._follow_up_s = None  # its bar would let the rolled-back table straight back
             self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
@@ -329,8 +244,10 @@ class ClosedLoop:
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
         lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(ks)
-        self._sweep = _Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
-                             fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted)
+        self._sweep = Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
+                            fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted,
+                            targets=self._canaries(now_s))
+        self._note(now_s, "reprofile", targets=list(self._sweep.targets))
         self._data_since_s = now_s + cfg.reprofile_settle_s
         self.state = LoopState.REPROFILING
 
@@ -353,6 +270,7 @@ class ClosedLoop:
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
             self._baseline_since_s = sweep.started_s
             self._sweep = None
+            self._release(now_s)
             self.state = LoopState.LIVE
             self.drift.after_sweep(now_s)
             self._refit(now_s, reason="profile" if first else "stale", force=True,
@@ -368,14 +286,14 @@ class ClosedLoop:
             # the guardrail's baseline for the refit to come is this stretch, not what ran
             # before the drift showed
             self.guardrail.reset_baseline()
-            desired = self.agent.desired()
-            table = self.switch.startup_table if desired is None else desired.table
-            self.switch.stage(table, self._active_version)
+            self._release(now_s)
         else:
-            self.switch.stage(DraftTable.from_vllm([[1, self.limits.max_batch, k]]),
-                              self._active_version, forced=True)
+            block_end_s = sweep.started_s + float(np.sum(sweep.block_s[:index + 1]))
+            self._force(DraftTable.from_vllm([[1, self.limits.max_batch, k]]), now_s,
+                        until_s=block_end_s + self.config.force_grace_s,
+                        targets=sweep.targets)
 
-    def _plan_confirmation(self, sweep: _Sweep, now_s: float) -> None:
+    def _plan_confirmation(self, sweep: Sweep, now_s: float) -> None:
         """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
         a, b, c, c, b, a, so a trend over time cancels between them)."""
         cfg = self.config
@@ -389,7 +307,7 @@ class ClosedLoop:
         sweep.block_s += [cfg.confirm_block_s] * len(runs)
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
-    def _regime_moved(self, sweep: _Sweep, now_s: float) -> bool:
+    def _regime_moved(self, sweep: Sweep, now_s: float) -> bool:
         """Whether the regime moved under the re-profile: the load (median batch size) at its
         end off the sweep's by the drift detector's coverage factor, or the acceptance of
         the first draft position in the confirmation's last run off its first run's (the
@@ -487,7 +405,7 @@ class ClosedLoop:
         if envelope is None:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)
-        current = self.switch.table
+        current = self._running_table()
         gain, stderr = predicted_gain(envelope, current, batch[-2000:])
         self._note(now_s, "refit", reason=reason, version=version, gain=round(gain, 4),
                    gain_stderr=round(stderr, 4), records=records.num_rows)
@@ -497,8 +415,6 @@ class ClosedLoop:
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))
-        if self.mirror is not None:
-            self.mirror(envelope)
         self.publish(envelope, now_s, guard=reason != "profile",
                      after_drift=reason == "stale")
         if reason == "stale" and cfg.follow_up_s > 0:
@@ -548,23 +464,23 @@ class ClosedLoop:
         while self._records and self._records[0].column("ts_ns")[-1].as_py() < horizon_ns:
             self._records.popleft()
 
-    # ---- the switch -----------------------------------------------------------------------
+    # ---- the engines ----------------------------------------------------------------------
+    def _running_table(self) -> DraftTable:
+        """What the key's unforced engines run: the desired version's table."""
+        desired = self.agent.desired()
+        return self.startup_table if desired is None else desired.table
+
     def _sync(self, now_s: float, *, guard: bool, after_drift: bool = False) -> None:
-        """Stage the agent's desired table if it is not the one running."""
+        """Send the agent's desired table if it is not the one the engines were sent."""
         desired = self.agent.desired()
         version = 0 if desired is None else desired.version
-        if version == self._active_version and not self.switch.forced:
+        if version == self._active_version and self._forcing is None:
             return
-        table = self.switch.startup_table if desired is None else desired.table
-        explorer = None
-        if desired is not None:
-            explorer = explorer_for(desired.exploration, table,
-                                    max_batch=self.limits.max_batch, k_values=self.k_values,
-                                    config=self.config.exploration)
+        if desired is not None and not self._muted:
+            self.channel.send(desired)
         previous = self._active_version
-        self.switch.stage(table, version, explorer=explorer)
         self._active_version = version
-        self._staged = (version, now_s)
+        table = self._running_table()
         self.applied.append((now_s, version, table))
         watch = None
         if guard and previous != 0:
@@ -580,14 +496,62 @@ class ClosedLoop:
                                 fitted_batch_range=self._fitted_range, confirmed=confirmed)
         self._note(now_s, "stage", version=version, table=table.to_vllm(), watch=watch)
 
-    def _confirm_applied(self, now_s: float) -> None:
-        if self._staged is None or self.switch.pending:
+    def _roll_forward(self, now_s: float, withdrawn: int) -> None:
+        """After the agent withdrew `withdrawn`: the table it went back to, sent as a new
+        version (engines never walk back through a log; replaying it gives the same table)."""
+        back = self.agent.desired()
+        version = self.agent.state.newest_version + 1
+        created_at = clock_time(now_s).isoformat()
+        if back is None:  # the startup table, which engines run without an envelope
+            envelope = TableEnvelope(
+                key=self.limits.key, version=version, table=self.startup_table,
+                startup_k_values=self.k_values, max_batch=self.limits.max_batch,
+                created_at=created_at, provenance={ROLLBACK_OF: withdrawn, "restores": 0})
+        else:
+            envelope = dataclasses.replace(
+                back, version=version, signature=None, created_at=created_at,
+                provenance={**back.provenance, ROLLBACK_OF: withdrawn,
+                            "restores": back.version})
+        self.agent.on_envelope(envelope)
+        self._sync(now_s, guard=False)
+
+    def _force(self, table: DraftTable, now_s: float, *, until_s: float,
+               targets: tuple[str, ...]) -> None:
+        self.channel.send(TableControl(
+            key=self.limits.key, action="force", version=None,
+            issued_at=clock_time(now_s).isoformat(), issued_by="tabletune-control",
+            table=table, expires_at=clock_time(until_s).isoformat(), targets=targets))
+        self._forcing = targets
+
+    def _release(self, now_s: float) -> None:
+        if self._forcing is None:
             return
-        version, staged_at = self._staged
-        if self.switch.version == version:
-            self.status.emit("applied", version=version,
-                             seconds_to_apply=round(now_s - staged_at, 4))
-        self._staged = None
+        self.channel.send(TableControl(
+            key=self.limits.key, action="release", version=None,
+            issued_at=clock_time(now_s).isoformat(), issued_by="tabletune-control",
+            targets=self._forcing))
+        self._forcing = None
+
+    def _note_engines(self, records: pa.Table, now_s: float) -> pa.Table:
+        """Remember who stepped; during a re-profile keep only its canaries' steps (the
+        others run the current table, which the sweep's fits must not mix in)."""
+        engines = records.column("engine_id")
+        for engine in pc.unique(engines).to_pylist():
+            self._engines_seen[engine] = now_s
+        sweep = self._sweep
+        if sweep is None or not sweep.targets:
+            return records
+        return records.filter(pc.is_in(engines, value_set=pa.array(sweep.targets)))
+
+    def _canaries(self, now_s: float) -> tuple[str, ...]:
+        """The engines a re-profile forces: `canary_share` of the live ones, at least one,
+        the same ones each time while they live; all of them (no targets) for one engine."""
+        horizon = now_s - self.config.engine_idle_s
+        live = sorted(e for e, seen in self._engines_seen.items() if seen >= horizon)
+        if len(live) <= 1:
+            return ()
+        count = max(1, int(len(live) * self.config.canary_share))
+        return tuple(live[:count])
 
     def _note(self, now_s: float, what: str, **fields: Any) -> None:
         self.decisions.append({"t_s": round(now_s, 3), "what": what, **fields})

@@ -28,6 +28,8 @@ from schemas.envelope import (
 )
 
 ACTIONS = ("pin", "unpin", "rollback", "force", "release")
+MAX_TARGETS = 4096
+"""Engine ids one control may name: a key's fleet, with room; bounds what a reader allocates."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +45,16 @@ class TableControl:
     """`force`: the table to run."""
     expires_at: str | None = None
     """`force`: ISO-8601 time after which the force no longer holds."""
+    targets: tuple[str, ...] = ()
+    """The engine ids this control is for (a re-profile's canaries); empty: every engine of
+    the key."""
 
     def __post_init__(self) -> None:
+        if len(self.targets) > MAX_TARGETS:
+            raise EnvelopeError(f"a control names {len(self.targets)} targets, more than "
+                                f"{MAX_TARGETS}")
+        if any(not isinstance(t, str) or not t for t in self.targets):
+            raise EnvelopeError("control targets must be non-empty engine ids")
         if self.action not in ACTIONS:
             raise EnvelopeError(f"control action {self.action!r} is not one of {ACTIONS}")
         if self.action == "pin" and (self.version is None or self.version < 1):
@@ -59,6 +69,11 @@ class TableControl:
                                     "time") from None
             if expiry.tzinfo is None:
                 raise EnvelopeError(f"expires_at {self.expires_at!r} has no time zone")
+
+    def applies_to(self, engine_id: str | None) -> bool:
+        """Whether an engine with this id follows the control (one with no id: untargeted
+        controls only)."""
+        return not self.targets or engine_id in self.targets
 
     def expired(self, now: datetime) -> bool:
         """Whether a force has run out at `now` (never, for other actions)."""
@@ -75,6 +90,8 @@ class TableControl:
             out["table"] = self.table.to_vllm()
         if self.expires_at is not None:
             out["expires_at"] = self.expires_at
+        if self.targets:
+            out["targets"] = list(self.targets)
         if self.signature is not None:
             out["signature"] = {"key_id": self.signature.key_id,
                                 "algorithm": self.signature.algorithm,
@@ -92,6 +109,9 @@ class TableControl:
             version = data.get("version")
             table = data.get("table")
             expires_at = data.get("expires_at")
+            targets = data.get("targets", [])
+            if not isinstance(targets, list):
+                raise EnvelopeError("control targets must be a list of engine ids")
             return cls(
                 key=TableKey(str(key["model"]), str(key["drafter"]), str(key["hardware"])),
                 action=str(data["control"]),
@@ -103,6 +123,7 @@ class TableControl:
                     algorithm=str(signature.get("algorithm", "HMAC-SHA256"))),
                 table=None if table is None else DraftTable.from_vllm(table),
                 expires_at=None if expires_at is None else str(expires_at),
+                targets=tuple(targets),
             )
         except KeyError as exc:
             raise EnvelopeError(f"control field {exc.args[0]!r} is missing") from None

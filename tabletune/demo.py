@@ -114,11 +114,9 @@ def _run_live_engine(group: Group, index: int, phase_s: float, settings: Any,
 
     scenario = parse_scenario(group.scenario_text(index, phase_s), base_dir=Path("."),
                               name=f"{group.name}-{index}")
-    policy = TabletunePolicy(settings=settings)
+    policy = TabletunePolicy()
     summary = run_scenario(scenario, policy, sink=sink).to_dict()
     policy.close()
-    if policy.status is not None:
-        policy.status.close()
     return summary, policy
 
 
@@ -129,7 +127,9 @@ def _collect(result: GroupResult, summary: dict[str, Any], policy: Any) -> None:
         return
     if not result.tables:  # the first engine of the group tells the story
         result.tables = [(t, v, table.to_vllm()) for t, v, table in loop.applied]
-        result.events = [e for e in policy.status.recent
+        events = sorted([*policy.status.recent, *policy.feed.status.recent],
+                        key=lambda e: e["at"])
+        result.events = [e for e in events
                          if e["event"] in ("applied", "stale", "rolled_back", "rejected")]
         result.events += [{"event": d["what"], "t_s": d["t_s"], **{k: v for k, v in d.items()
                           if k in ("reason", "version", "gain")}}

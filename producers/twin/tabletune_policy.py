@@ -2,10 +2,12 @@
 
 The engine records every step through its `StepRecorder` (the same one vLLM's hook uses);
 this policy keeps a copy of the frames in memory (`MemorySink`) and, every `tick_s` of
-virtual time, hands them with the clock to a `controller.loop.ClosedLoop`, which profiles,
-fits with `fitter.derive.fit_table`, decides through a `TableAgent`, and stages tables with
-their explorers into the engine's `TableSwitch`. No broker is needed: the tables topic is
-replaced by a direct `ClosedLoop.publish`, the one thing that differs from production.
+virtual time, hands them to a `controller.service.ControlService` (the class the
+`tabletune control` process runs) and ticks it with the virtual clock. The service's loop
+sends envelopes and force/release controls through an `InMemoryChannel` to the engine's
+`EngineFeed` (the class a vLLM engine's table feed runs), which stages them into the
+engine's `TableSwitch`. Only the transport (memory instead of the tables topic) and the
+clock (virtual) differ from a fleet.
 
     run_scenario("producers/twin/scenarios/load-drift.toml", "tabletune")
     run_scenario(..., "tabletune:explore=0,refit=20")
@@ -23,10 +25,13 @@ from producers.identity import EngineIdentity
 from producers.recorder import StepRecorder
 from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
 from schemas import DraftTable, TableEnvelope, TableKey
-from tabletune.settings import Settings
 
 if TYPE_CHECKING:
-    from controller.loop import ClosedLoop, LoopConfig
+    from controller.channel import InMemoryChannel
+    from controller.engine_feed import EngineFeed
+    from controller.loop import ClosedLoop
+    from controller.loop_config import LoopConfig
+    from controller.service import ControlService
     from controller.status import StatusPublisher
     from producers.twin.engine import StepStats, TwinEngine
 
@@ -71,23 +76,33 @@ class TabletunePolicy(Policy):
     step_interval = 4
 
     def __init__(self, config: LoopConfig | None = None, *, tick_s: float = 1.0,
-                 startup: DraftTable = VLLM_DOC_TABLE, settings: Settings | None = None
-                 ) -> None:
-        """`settings` with brokers: status events and fitted envelopes also go to Kafka's
-        status and tables topics (the demo), besides driving this engine in-process."""
-        from controller.loop import LoopConfig  # the controller loads only when this runs
+                 startup: DraftTable = VLLM_DOC_TABLE) -> None:
+        from controller.loop_config import LoopConfig  # the controller loads only when this runs
 
         self.config = config or LoopConfig()
         self.tick_s = tick_s
         self.startup = startup
-        self.settings = settings
-        self.loop: ClosedLoop | None = None
-        self.status: StatusPublisher | None = None
+        self.service: ControlService | None = None
+        self.feed: EngineFeed | None = None
+        self.channel: InMemoryChannel | None = None
+        self.key: TableKey | None = None
         self._sink = MemorySink()
         self._recorder: StepRecorder | None = None
         self._own_recorder = False
         self._next_tick_s = 0.0
         self._planned: list[tuple[float, DraftTable]] = []
+
+    @property
+    def loop(self) -> ClosedLoop | None:
+        """The service's loop for this engine's key (None before its first records)."""
+        if self.service is None or self.key is None:
+            return None
+        return self.service.loop(self.key)
+
+    @property
+    def status(self) -> StatusPublisher | None:
+        loop = self.loop
+        return None if loop is None else loop.status
 
     def initial_table(self, *, max_k: int, max_batch: int) -> tuple[DraftTable, int]:
         dense = [min(k, max_k) for k in self.startup.to_dense(max_batch)]
@@ -100,15 +115,17 @@ class TabletunePolicy(Policy):
         self._planned.sort(key=lambda entry: entry[0])
 
     def start(self, engine: TwinEngine) -> None:
-        from controller.loop import ClosedLoop
+        from controller.channel import InMemoryChannel, clock_time
+        from controller.engine_feed import EngineFeed
+        from controller.service import ControlService
         from controller.status import StatusPublisher
         from controller.validation import EngineLimits
         from fitter.derive import fit_table  # the fitter's heavy imports only when used
 
         scenario = engine.scenario
         limits = scenario.engine
-        key = TableKey(model=limits.model, drafter=scenario.drafter.method,
-                       hardware=limits.hardware)
+        key = self.key = TableKey(model=limits.model, drafter=scenario.drafter.method,
+                                  hardware=limits.hardware)
         if engine.recorder is None:
             identity = EngineIdentity(engine_id=limits.engine_id, model=limits.model,
                                       drafter=scenario.drafter.method,
@@ -119,30 +136,36 @@ class TabletunePolicy(Policy):
             self._sink.forward = engine.recorder.sink
             engine.recorder.sink = self._sink
         self._recorder = engine.recorder
-        self.status = StatusPublisher(self.settings, limits.engine_id, str(key), history=4096)
         engine_limits = EngineLimits(key=key, startup_k_values=frozenset(range(limits.max_k + 1)),
                                      max_batch=limits.max_num_seqs)
-        mirror = None
-        if self.settings is not None and self.settings.bootstrap_servers:
-            from controller.table_log import publish
-
-            settings = self.settings
-            mirror = lambda envelope: publish(settings, envelope)  # noqa: E731
-        self.loop = ClosedLoop(engine.switch, engine_limits, self.status, fit_table, self.config,
-                               mirror=mirror)
-        self.loop.start(engine.clock_s)
+        clock = lambda: clock_time(engine.clock_s)  # noqa: E731
+        self.feed = EngineFeed(engine.switch, engine_limits,
+                               StatusPublisher(None, limits.engine_id, str(key), history=4096),
+                               clock, exploration=self.config.exploration)
+        channel = self.channel = InMemoryChannel([self.feed])
+        self.service = ControlService(fit_table, lambda _key: channel, config=self.config,
+                                      tick_s=self.tick_s)
+        self.service.engine_started(key, engine_limits, engine.switch.startup_table)
         self._next_tick_s = engine.clock_s + self.tick_s
 
     def on_step(self, engine: TwinEngine, step: StepStats) -> None:
         now = step.t_s
-        if now < self._next_tick_s or self.loop is None or self._recorder is None:
+        if now < self._next_tick_s or self.service is None or self._recorder is None:
             return
         self._next_tick_s = now + self.tick_s
         self._recorder.flush(timeout_s=30.0)
-        self.loop.tick(now, self._sink.take())
+        records = self._sink.take()
+        if records is not None:
+            self.service.records(records)
+        self.service.tick(now)
         while self._planned and self._planned[0][0] <= now:
             _, table = self._planned.pop(0)
-            self.loop.publish(self._envelope(table), now)
+            envelope = self._envelope(table)
+            assert self.channel is not None
+            self.channel.send(envelope)
+            self.service.table_seen(envelope, now)
+        assert self.feed is not None
+        self.feed.sync()  # a force's expiry, and the engine's `applied`
         if now + step.step_latency_s >= engine.end_s and not engine.drain:
             self.close()
 
@@ -153,9 +176,10 @@ class TabletunePolicy(Policy):
             self._own_recorder = False
 
     def _envelope(self, table: DraftTable) -> TableEnvelope:
-        assert self.loop is not None
-        limits = self.loop.limits
-        return TableEnvelope(key=limits.key, version=self.loop.agent.state.newest_version + 1,
+        loop = self.loop
+        assert loop is not None
+        limits = loop.limits
+        return TableEnvelope(key=limits.key, version=loop.agent.state.newest_version + 1,
                              table=table, startup_k_values=tuple(sorted(limits.startup_k_values)),
                              max_batch=limits.max_batch, created_at="1970-01-01T00:00:00+00:00",
                              provenance={"planted": True})
@@ -177,7 +201,7 @@ def _factory(arg: str | None) -> Policy:
         raise PolicyError(f"tabletune: unknown option(s) {sorted(unknown)}")
     from controller.exploration import ExplorationConfig
     from controller.guardrail import GuardrailConfig
-    from controller.loop import LoopConfig
+    from controller.loop_config import LoopConfig
 
     config = LoopConfig(
         exploration=ExplorationConfig(share=options.get("explore", 0.02)),

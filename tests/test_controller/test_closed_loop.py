@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from controller.loop import confirmation_k_values, first_position_acceptance
+from controller.sweep import confirmation_k_values, first_position_acceptance
 from fitter.profile_twin import MemorySink
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
 from producers.twin.config import DrafterConfig

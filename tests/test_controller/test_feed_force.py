@@ -3,12 +3,12 @@ tables topic, and leaves the engine on its table."""
 
 from __future__ import annotations
 
-from controller.feed import TableFeed
+from controller.engine_feed import EngineFeed
+from controller.feed import wall_clock
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.table_switch import TableSwitch
 from schemas import DraftTable, TableControl, TableKey
-from tabletune.settings import Settings
 
 KEY = TableKey("llama", "eagle", "h100")
 
@@ -18,12 +18,13 @@ def test_a_refused_force_is_reported_once() -> None:
     # The agent's limits allow K=5; this switch was started with max K 3, so it refuses.
     switch = TableSwitch(startup, max_k=3, max_batch=64)
     status = StatusPublisher(None, "engine-0", str(KEY))
-    feed = TableFeed(Settings(), switch, EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), status)
+    feed = EngineFeed(switch, EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), status,
+                      wall_clock)
     feed.agent.on_control(TableControl(key=KEY, action="force", version=None, issued_at="now",
                                        table=DraftTable.from_vllm([[1, 64, 5]]),
                                        expires_at="2099-01-01T00:00:00+00:00"))
     for _ in range(3):  # three polls
-        assert feed._sync_forced() is False
+        feed.sync()
     rejected = [e for e in status.recent if e["event"] == "rejected"]
     assert len(rejected) == 1 and rejected[0]["control"] == "force"
     assert rejected[0]["reason"] == "invalid_table"

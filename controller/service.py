@@ -1,0 +1,165 @@
+"""The fleet's control plane: one `ClosedLoop` per table key, fed every engine's telemetry.
+
+Transport-free: a caller hands it telemetry records, the engines' `started` announcements
+and what the tables topic holds, and calls `tick(now_s)`; each key's loop sends its
+envelopes and controls through the `ControlChannel` the caller gives for that key. The
+`tabletune control` process (`controller.control_runner`) feeds it from Kafka with the
+telemetry's own timestamps as the clock; the twin feeds it in memory on virtual time. Both
+build exactly this class, so what is measured in the twin is what a fleet runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from controller.channel import ControlChannel
+from controller.loop import ClosedLoop, Fit
+from controller.loop_config import LoopConfig
+from controller.status import StatusPublisher
+from controller.validation import EngineLimits
+from schemas import DraftTable, TableEnvelope, TableKey
+from tabletune.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+"""Each key's loop decides once per telemetry second: its shortest block is one second."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStart:
+    """What the tables topic and the engines' announcements say about a key."""
+
+    limits: EngineLimits
+    startup_table: DraftTable
+    current: TableEnvelope | None = None
+    newest_version: int = 0
+
+
+@dataclass
+class _Key:
+    loop: ClosedLoop
+    pending: list[pa.Table] = field(default_factory=list)
+    next_tick_s: float | None = None
+
+
+class ControlService:
+    def __init__(self, fit: Fit, channel_for: Callable[[TableKey], ControlChannel], *,
+                 config: LoopConfig | None = None, settings: Settings | None = None,
+                 only_key: TableKey | None = None, service_id: str = "tabletune-control",
+                 tick_s: float = TICK_S) -> None:
+        """`channel_for(key)`: the transport for a key's messages; `settings`: where the
+        loops' status events go (None: kept in memory); `only_key`: serve that key alone."""
+        self.fit = fit
+        self.channel_for = channel_for
+        self.config = config or LoopConfig()
+        self.settings = settings
+        self.only_key = only_key
+        self.service_id = service_id
+        self.tick_s = tick_s
+        self.keys: dict[TableKey, _Key] = {}
+        self.starts: dict[TableKey, KeyStart] = {}
+        """What is known of each key before its loop starts (limits, the topic's state)."""
+        self.unserved_records = 0
+        """Telemetry of keys whose limits are not known yet (no `started`, no envelope)."""
+
+    # ---- what the fleet says --------------------------------------------------------------
+    def engine_started(self, key: TableKey, limits: EngineLimits,
+                       startup_table: DraftTable) -> None:
+        """An engine's announcement: the key's limits are what every engine can take."""
+        if not self._serves(key) or key in self.keys:
+            return
+        known = self.starts.get(key)
+        if known is not None:
+            limits = EngineLimits(key, known.limits.startup_k_values & limits.startup_k_values,
+                                  min(known.limits.max_batch, limits.max_batch))
+            self.starts[key] = KeyStart(limits, known.startup_table, known.current,
+                                        known.newest_version)
+        else:
+            self.starts[key] = KeyStart(limits, startup_table)
+
+    def table_seen(self, envelope: TableEnvelope, now_s: float | None = None) -> None:
+        """An envelope on the tables topic (ours read back, an operator's, an old one)."""
+        key = envelope.key
+        if not self._serves(key):
+            return
+        served = self.keys.get(key)
+        if served is not None:
+            if now_s is not None:
+                served.loop.observe_envelope(envelope, now_s)
+            return
+        known = self.starts.get(key)
+        current = known.current if known is not None else None
+        if current is None or envelope.version > current.version:
+            current = envelope
+        limits = known.limits if known is not None else EngineLimits(
+            key, frozenset(envelope.startup_k_values), envelope.max_batch)
+        startup = known.startup_table if known is not None else DraftTable.from_vllm(
+            [[1, envelope.max_batch, min(envelope.startup_k_values)]])
+        self.starts[key] = KeyStart(limits, startup, current,
+                                    max(current.version, known.newest_version if known else 0))
+
+    def records(self, records: pa.Table) -> None:
+        """Telemetry from any engines of any keys; kept per key until that key's next tick."""
+        if records.num_rows == 0:
+            return
+        keys = pc.unique(pc.binary_join_element_wise(
+            records.column("model"), records.column("drafter"), records.column("hardware"),
+            "|")).to_pylist()
+        for text in keys:
+            key = TableKey.parse(text)
+            if not self._serves(key):
+                continue
+            mask = pc.and_(pc.and_(pc.equal(records.column("model"), key.model),
+                                   pc.equal(records.column("drafter"), key.drafter)),
+                           pc.equal(records.column("hardware"), key.hardware))
+            rows = records if len(keys) == 1 else records.filter(mask)
+            served = self.keys.get(key) or self._start(key, rows)
+            if served is None:
+                self.unserved_records += rows.num_rows
+                continue
+            served.pending.append(rows)
+
+    # ---- the clock ------------------------------------------------------------------------
+    def tick(self, now_s: float) -> None:
+        """Every key whose tick is due decides, with the records it got since its last."""
+        for served in self.keys.values():
+            if served.next_tick_s is None:
+                served.next_tick_s = now_s
+            if now_s < served.next_tick_s:
+                continue
+            served.next_tick_s = now_s + self.tick_s
+            records = None
+            if served.pending:
+                records = pa.concat_tables(served.pending)
+                served.pending = []
+                if records.num_rows > 1:  # engines interleave: the watchers read time order
+                    records = records.sort_by("ts_ns")
+            served.loop.tick(now_s, records)
+
+    def loop(self, key: TableKey) -> ClosedLoop | None:
+        served = self.keys.get(key)
+        return None if served is None else served.loop
+
+    # ---- keys -----------------------------------------------------------------------------
+    def _serves(self, key: TableKey) -> bool:
+        return self.only_key is None or key == self.only_key
+
+    def _start(self, key: TableKey, records: pa.Table) -> _Key | None:
+        known = self.starts.get(key)
+        if known is None:
+            return None
+        status = StatusPublisher(self.settings, self.service_id, str(key), history=4096)
+        loop = ClosedLoop(self.channel_for(key), known.limits, status, self.fit, self.config,
+                          startup_table=known.startup_table, current=known.current,
+                          newest_version=known.newest_version)
+        start_s = float(pc.min(records.column("ts_ns")).as_py()) / 1e9
+        loop.start(start_s)
+        log.info("serving %s from %.1f s (%s)", key, start_s, loop.state.value)
+        served = self.keys[key] = _Key(loop)
+        return served

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.table_log import control, publish, read_log, read_topic
-from schemas import TableControl, TableEnvelope, TableError, TableKey
+from schemas import EnvelopeError, TableControl, TableEnvelope, TableError, TableKey
 from tabletune.settings import Settings
 from tabletune.table_files import load_table_file
 
@@ -52,6 +53,67 @@ def register(commands: Any) -> None:
         sub.add_argument("key")
         _bootstrap(sub)
         sub.set_defaults(handler=run_control, action=action, version=None)
+
+
+    serve = commands.add_parser(
+        "control", help="the control service: profiles, refits, re-profiles every key",
+        description="Long-running. Reads every engine's telemetry, the tables topic and "
+        "the engines' status announcements; per table key it profiles a cold fleet "
+        "(forced K on every engine), publishes the first table, refits on a period, and "
+        "after a drift re-profiles a canary share of the engines and publishes the new "
+        "table. Its clock is the telemetry's timestamps. State lives in the topics: a "
+        "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
+        "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap).")
+    serve.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+                       help="serve this key alone (default: every key whose engines announce "
+                       "themselves)")
+    serve.add_argument("--lookback-s", type=float, default=180.0,
+                       help="telemetry read at start-up from this many seconds back "
+                       "(default 180)")
+    serve.add_argument("--canary-share", type=float, default=0.25,
+                       help="share of a key's engines a re-profile forces, at least one "
+                       "(default 0.25)")
+    serve.add_argument("--refit-s", type=float, default=30.0,
+                       help="telemetry seconds between periodic refits (default 30)")
+    serve.add_argument("--explore", type=float, default=0.02,
+                       help="share of steps engines run at a neighbouring K (default 0.02)")
+    serve.add_argument("--duration-s", type=float, default=None,
+                       help="stop after this many wall seconds (default: run until stopped)")
+    _bootstrap(serve)
+    serve.set_defaults(handler=run_control_service)
+
+
+def run_control_service(args: argparse.Namespace) -> int:
+    from controller.control_runner import ControlRunConfig, ControlRunner
+    from controller.exploration import ExplorationConfig
+    from controller.loop_config import LoopConfig
+    from fitter.derive import fit_table
+
+    settings = _settings(args)
+    try:
+        key = None if args.key is None else TableKey.parse(args.key)
+        config = ControlRunConfig(key=key, lookback_s=args.lookback_s)
+        loop_config = LoopConfig(canary_share=args.canary_share, refit_interval_s=args.refit_s,
+                                 exploration=ExplorationConfig(share=args.explore))
+        if args.duration_s is not None and args.duration_s <= 0:
+            raise ValueError(f"--duration-s {args.duration_s} must be > 0")
+    except (ValueError, EnvelopeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    runner = ControlRunner(settings, fit_table, config=config, loop_config=loop_config)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
+    try:
+        runner.run(timeout_s=args.duration_s)
+    except KeyboardInterrupt:
+        runner.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    served = {str(loop.limits.key): {"state": loop.state.value,
+                                     "version": loop.agent.state.newest_version}
+              for loop in runner.service.loops()}
+    print(json.dumps({"records": runner.records, "bad_frames": runner.bad_frames,
+                      "keys": served}))
+    return 0
 
 
 def _bootstrap(parser: argparse.ArgumentParser) -> None:

@@ -111,6 +111,8 @@ class ClosedLoop:
         """Engine id -> telemetry time of its last step (who is live, for canaries)."""
         self._muted = False
         """Set while the loop takes in an envelope the engines already have."""
+        self.clock_s = 0.0
+        """The time of the last tick."""
         self._next_refit_s = 0.0
         self._cooldown_until_s = 0.0
         self._follow_up_s: float | None = None
@@ -187,6 +189,7 @@ class ClosedLoop:
 
     def tick(self, now_s: float, records: pa.Table | None) -> None:
         """Once per control interval with the records recorded since the last tick."""
+        self.clock_s = now_s
         if records is not None and records.num_rows:
             records = self._note_engines(records, now_s)
         if records is not None and records.num_rows:
@@ -522,6 +525,10 @@ class ClosedLoop:
             issued_at=clock_time(now_s).isoformat(), issued_by="tabletune-control",
             table=table, expires_at=clock_time(until_s).isoformat(), targets=targets))
         self._forcing = targets
+
+    def release_forces(self) -> None:
+        """Before the loop stops: engines go back to the current table now, not at expiry."""
+        self._release(self.clock_s)
 
     def _release(self, now_s: float) -> None:
         if self._forcing is None:

@@ -46,6 +46,8 @@ class _Key:
     loop: ClosedLoop
     pending: list[pa.Table] = field(default_factory=list)
     next_tick_s: float | None = None
+    clock_s: float = 0.0
+    """The newest step timestamp seen for the key: its clock when none is given."""
 
 
 class ControlService:
@@ -124,23 +126,30 @@ class ControlService:
                 self.unserved_records += rows.num_rows
                 continue
             served.pending.append(rows)
+            served.clock_s = max(served.clock_s,
+                                 float(pc.max(rows.column("ts_ns")).as_py()) / 1e9)
 
     # ---- the clock ------------------------------------------------------------------------
-    def tick(self, now_s: float) -> None:
-        """Every key whose tick is due decides, with the records it got since its last."""
+    def tick(self, now_s: float | None = None) -> None:
+        """Every key whose tick is due decides, with the records it got since its last.
+        `now_s` None: each key's own clock (its newest step)."""
         for served in self.keys.values():
+            at_s = served.clock_s if now_s is None else now_s
             if served.next_tick_s is None:
-                served.next_tick_s = now_s
-            if now_s < served.next_tick_s:
+                served.next_tick_s = at_s
+            if at_s < served.next_tick_s:
                 continue
-            served.next_tick_s = now_s + self.tick_s
+            served.next_tick_s = at_s + self.tick_s
             records = None
             if served.pending:
                 records = pa.concat_tables(served.pending)
                 served.pending = []
                 if records.num_rows > 1:  # engines interleave: the watchers read time order
                     records = records.sort_by("ts_ns")
-            served.loop.tick(now_s, records)
+            served.loop.tick(at_s, records)
+
+    def loops(self) -> list[ClosedLoop]:
+        return [served.loop for served in self.keys.values()]
 
     def loop(self, key: TableKey) -> ClosedLoop | None:
         served = self.keys.get(key)
@@ -158,7 +167,9 @@ class ControlService:
         loop = ClosedLoop(self.channel_for(key), known.limits, status, self.fit, self.config,
                           startup_table=known.startup_table, current=known.current,
                           newest_version=known.newest_version)
-        start_s = float(pc.min(records.column("ts_ns")).as_py()) / 1e9
+        # the newest step: records read back from before the service started are history
+        # for fits, not time a profile's blocks could have run in
+        start_s = float(pc.max(records.column("ts_ns")).as_py()) / 1e9
         loop.start(start_s)
         log.info("serving %s from %.1f s (%s)", key, start_s, loop.state.value)
         served = self.keys[key] = _Key(loop)

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import FrameType
 
 from schemas import EnvelopeError, TableError
+from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
 from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
 from tabletune.settings import ENV_VARS, Settings, SettingsError
 from tabletune.table_files import load_table_file
@@ -66,12 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
     ingest.add_argument("--out", required=True, help="dataset folder")
     ingest.add_argument("--until-idle", type=float, default=None, metavar="S",
-                        help="stop after S seconds without new telemetry (batch jobs)")
+                        help="batch jobs: stop once caught up (the group has committed every "
+                        "partition of the topic up to its end offset) and S seconds passed "
+                        "without new telemetry; exit 3 naming the lag if still behind after "
+                        "--lag-wait")
+    ingest.add_argument("--lag-wait", type=float, default=30.0, metavar="S",
+                        help="with --until-idle: how long nothing may move while behind "
+                        "(another member holds partitions) before exiting 3 (default 30)")
     ingest.add_argument("--group", default="tabletune-ingest", help="consumer group id")
     ingest.add_argument("--window-records", type=int, default=200_000,
                         help="records per partition window (default 200000)")
     ingest.add_argument("--window-s", type=float, default=10.0,
                         help="longest a record waits in a window, seconds (default 10)")
+    ingest.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                        help="largest decompressed frame; larger ones are dead-lettered as "
+                        "too_large before they are expanded (default %(default)s)")
+    ingest.add_argument("--max-frame-records", type=int, default=DEFAULT_MAX_FRAME_RECORDS,
+                        help="most records in one frame; more are dead-lettered as "
+                        "too_many_records (default %(default)s)")
     ingest.set_defaults(handler=run_ingest)
 
     demo = commands.add_parser(
@@ -92,7 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     from tabletune.suite.cli import register as register_suite
 
     register_controller(commands)
-    register_twin(commands)
+    twin_commands = register_twin(commands)
+    fleet = twin_commands.add_parser(
+        "fleet", help="N twin engines that take their tables only from the tables topic",
+        description="Runs N twin engines of a scenario (engine i: seed + i, engine id "
+        "ENGINE_ID-i), paced at SPEEDUP times real time, each with a real engine's TableTune "
+        "parts: telemetry to the telemetry topic, a table feed on the tables topic. With "
+        "`tabletune control` on the same broker (TABLETUNE_BOOTSTRAP) this is the production "
+        "loop on twin engines. Prints each engine's `twin run --json` summary under "
+        "`engines` and the fleet-mean output tokens/s per virtual second under `timeline`.")
+    fleet.add_argument("--scenario", required=True, help="scenario TOML file")
+    fleet.add_argument("--engines", type=int, default=4, help="engines (default 4)")
+    fleet.add_argument("--speedup", type=float, default=10.0,
+                       help="virtual seconds per wall second (default 10)")
+    fleet.add_argument("--duration", type=float, default=None,
+                       help="virtual seconds (default: the sum of the phases)")
+    fleet.add_argument("--explore", type=float, default=0.02,
+                       help="share of steps run at a neighbouring K (default 0.02)")
+    fleet.add_argument("--bootstrap", default=None,
+                       help="host:port (default: TABLETUNE_BOOTSTRAP)")
+    fleet.add_argument("--json", action="store_true", help="print the result as JSON")
+    fleet.set_defaults(handler=run_twin_fleet)
     register_fitter(commands)
     register_suite(commands)
 
@@ -121,6 +154,29 @@ def build_parser() -> argparse.ArgumentParser:
                          help="for dense: last batch size (default: the table's last end)")
     convert.set_defaults(handler=run_table_convert)
     return parser
+
+
+def run_twin_fleet(args: argparse.Namespace) -> int:
+    from producers.twin.config import ScenarioError
+    from tabletune.twin_fleet import FleetConfig, run_fleet
+
+    try:
+        settings = Settings.from_env().with_bootstrap(args.bootstrap)
+        settings.require_bootstrap()
+        config = FleetConfig(engines=args.engines, speedup=args.speedup,
+                             explore_share=args.explore, duration_s=args.duration)
+        result = run_fleet(args.scenario, settings, config)
+    except (ValueError, ScenarioError, SettingsError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for engine_id, summary in result["engines"].items():
+        print(f"{engine_id}: {summary['output_tokens_per_s']:9.1f} tok/s  "
+              f"batch {summary['mean_batch_size']:.1f}")
+    print(f"fleet mean: {result['output_tokens_per_s']:.1f} tok/s")
+    return 0
 
 
 def run_broker(args: argparse.Namespace) -> int:
@@ -152,13 +208,14 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    from fitter.ingest import IngestConfig, Ingestor
+    from fitter.ingest import IngestConfig, IngestIncomplete, Ingestor
 
     settings = Settings.from_env().with_bootstrap(args.bootstrap)
     settings.require_bootstrap()
     ingestor = Ingestor(settings, IngestConfig(
         out_dir=Path(args.out), group_id=args.group, window_records=args.window_records,
-        window_s=args.window_s, until_idle_s=args.until_idle))
+        window_s=args.window_s, until_idle_s=args.until_idle, lag_wait_s=args.lag_wait,
+        max_frame_bytes=args.max_frame_bytes, max_frame_records=args.max_frame_records))
     from tabletune.metrics import serve_metrics
     serve_metrics("ingest", lambda: {
         "records_total": ingestor.counters.records, "frames_total": ingestor.counters.frames,
@@ -166,17 +223,29 @@ def run_ingest(args: argparse.Namespace) -> int:
         "dead_lettered_total": ingestor.counters.dlq,
         "skipped_duplicates_total": ingestor.counters.skipped_duplicates,
         "lag_messages": ingestor.counters.lag_records,
+        "unread_messages": sum(ingestor.counters.unread.values()),
+        "commit_failures_total": ingestor.counters.commit_failures,
     }, {"group": args.group})
     signal.signal(signal.SIGTERM, lambda signum, frame: ingestor.stop())
+    incomplete: IngestIncomplete | None = None
     try:
         counters = ingestor.run()
     except KeyboardInterrupt:
         ingestor.stop()
         counters = ingestor.counters
+    except IngestIncomplete as exc:
+        incomplete, counters = exc, exc.counters
     print(json.dumps({"records": counters.records, "files": counters.files,
                       "windows": counters.windows, "dead_lettered": counters.dlq,
                       "dead_letter_reasons": counters.dlq_reasons,
-                      "skipped_duplicates": counters.skipped_duplicates}))
+                      "skipped_duplicates": counters.skipped_duplicates,
+                      "reset_records": counters.reset_records,
+                      "abandoned_windows": counters.abandoned_windows,
+                      "commit_failures": counters.commit_failures,
+                      "unread": {str(p): n for p, n in sorted(counters.unread.items())}}))
+    if incomplete is not None:
+        print(f"error: {incomplete}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -24,8 +24,9 @@ from producers.twin.workload import RequestPool, load_trace, parametric_pool
 from schemas import TableError
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `twin` with its `run` and `static` sub-commands to a parser's sub-commands."""
+def register(subparsers: Any) -> Any:
+    """Add `twin` with its `run` and `static` sub-commands to a parser's sub-commands;
+    returns the twin's sub-commands, for commands wired elsewhere (`twin fleet`)."""
     twin = subparsers.add_parser(
         "twin", help="the twin: a trace-driven simulated vLLM engine",
         description="A simulated engine with vLLM's continuous batching and draft-table "
@@ -75,7 +76,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="cost profile")
     static.add_argument("--json", action="store_true", help="print the results as JSON")
     static.set_defaults(handler=run_static)
-    return twin
+    return commands
 
 
 def run_twin(args: argparse.Namespace) -> int:

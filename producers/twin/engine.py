@@ -62,12 +62,21 @@ class StepStats:
 class TwinEngine:
     def __init__(self, scenario: Scenario, switch: TableSwitch, *,
                  recorder: StepRecorder | None = None, duration_s: float | None = None,
-                 realtime: bool = False, drain: bool = False) -> None:
+                 realtime: bool = False, drain: bool = False, speedup: float = 1.0,
+                 epoch_s: float = 0.0) -> None:
+        """`realtime`: pace virtual time to the wall clock, `speedup` times faster;
+        `epoch_s`: where virtual time 0 lies in the telemetry's timestamps (0: 1970, for
+        in-process runs; a paced fleet uses its start, so its records look like a fleet's)."""
+        if speedup <= 0:
+            raise ValueError(f"speedup={speedup} must be > 0")
         limits = scenario.engine
         self.scenario = scenario
         self.switch = switch
         self.recorder = recorder
         self.realtime = realtime
+        self.speedup = speedup
+        self.epoch_s = epoch_s
+        self._epoch_ns = int(epoch_s * 1e9)
         self.drain = drain
         self.method = scenario.drafter.method
         self.cost = CostModel.from_config(scenario.cost, self.method)
@@ -118,7 +127,7 @@ class TwinEngine:
             if t >= self.end_s and (not self.drain or (batch.n == 0 and not self.waiting)):
                 break
             if self.realtime:  # pace virtual time to the wall clock, idle gaps included
-                time.sleep(max(0.0, t - (time.monotonic() - wall_start)))
+                time.sleep(max(0.0, t / self.speedup - (time.monotonic() - wall_start)))
             for arrival in self.traffic.arrivals(t, batch.n + len(self.waiting)):
                 self.waiting.append(arrival)
             if batch.n == 0 and not self.waiting:
@@ -214,7 +223,7 @@ class TwinEngine:
                 num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
                 accepted_per_pos=per_pos, kv_tokens=kv, ctx_len_mean=kv / batch_size,
                 ctx_len_max=ctx_max, step_latency_s=latency, inter_step_s=inter_step,
-                forced=self.switch.step_forced, ts_ns=int(t * 1e9),
+                forced=self.switch.step_forced, ts_ns=self._epoch_ns + int(t * 1e9),
                 finished_requests=leaving)
             if self.steps % self._backlog_check_steps == 0:
                 self._wait_for_sink(self.recorder)

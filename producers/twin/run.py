@@ -54,8 +54,8 @@ def run_scenario(scenario: Scenario | str | Path, policy: Policy | str, *,
 def build_engine(scenario: Scenario | str | Path, policy: Policy | str, *,
                  sink: Sink | str | None = None, duration_s: float | None = None,
                  realtime: bool = False, drain: bool = False,
-                 recorder_config: RecorderConfig | None = None,
-                 ) -> tuple[TwinEngine, StepRecorder | None, Policy]:
+                 recorder_config: RecorderConfig | None = None, speedup: float = 1.0,
+                 epoch_s: float = 0.0) -> tuple[TwinEngine, StepRecorder | None, Policy]:
     """The engine `run_scenario` would run, for callers that drive or inspect it themselves."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
@@ -71,7 +71,7 @@ def build_engine(scenario: Scenario | str | Path, policy: Policy | str, *,
         recorder = StepRecorder(identity, open_sink(sink) if isinstance(sink, str) else sink,
                                 max_k=limits.max_k, config=recorder_config)
     engine = TwinEngine(scenario, switch, recorder=recorder, duration_s=duration_s,
-                        realtime=realtime, drain=drain)
+                        realtime=realtime, drain=drain, speedup=speedup, epoch_s=epoch_s)
     return engine, recorder, chosen
 
 

@@ -77,6 +77,9 @@ def register(commands: Any) -> None:
                        help="telemetry seconds between periodic refits (default 30)")
     serve.add_argument("--explore", type=float, default=0.02,
                        help="share of steps engines run at a neighbouring K (default 0.02)")
+    serve.add_argument("--decisions", default=None, metavar="FILE",
+                       help="at exit, write every decision of every key's loop to FILE, one "
+                       "JSON object a line (profile, refit, stale, reprofile, stage, ...)")
     serve.add_argument("--duration-s", type=float, default=None,
                        help="stop after this many wall seconds (default: run until stopped)")
     _bootstrap(serve)
@@ -108,6 +111,12 @@ def run_control_service(args: argparse.Namespace) -> int:
         runner.stop()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if args.decisions is not None:
+        with open(args.decisions, "w") as out:
+            for loop in runner.service.loops():
+                for decision in loop.decisions:
+                    out.write(json.dumps({"key": str(loop.limits.key), **decision},
+                                         default=str) + "\n")
     served = {str(loop.limits.key): {"state": loop.state.value,
                                      "version": loop.agent.state.newest_version}
               for loop in runner.service.loops()}

@@ -93,6 +93,8 @@ class ControlRunner:
             self._catch_up(tables, self._on_table)
             self._catch_up(status, self._on_status)
             telemetry = self._reader(topics.telemetry, from_beginning=False)
+            log.info("ready: %d key(s) known from the tables and status topics",
+                     len(self.service.starts))
             try:
                 while not self._stop.is_set():
                     if deadline is not None and time.monotonic() >= deadline:

@@ -258,12 +258,10 @@ class ClosedLoop:
     def _advance_sweep(self, now_s: float) -> None:
         sweep = self._sweep
         assert sweep is not None
-        elapsed = now_s - sweep.started_s
-        ends = np.cumsum(sweep.block_s)
-        index = int(np.searchsorted(ends, elapsed, side="right"))
+        index = sweep.block_at(now_s)
         if index >= len(sweep.blocks) and sweep.confirm:
             self._plan_confirmation(sweep, now_s)
-            index = int(np.searchsorted(np.cumsum(sweep.block_s), elapsed, side="right"))
+            index = sweep.block_at(now_s)
         if index >= len(sweep.blocks) and self._regime_moved(sweep, now_s):
             self._note(now_s, "reprofile_restarted", reason="the regime moved during it")
             self._start_reprofile(now_s, restarted=True)
@@ -291,7 +289,8 @@ class ClosedLoop:
             self.guardrail.reset_baseline()
             self._release(now_s)
         else:
-            block_end_s = sweep.started_s + float(np.sum(sweep.block_s[:index + 1]))
+            block_end_s = (sweep.started_s + sweep.late_s
+                           + float(np.sum(sweep.block_s[:index + 1])))
             self._force(DraftTable.from_vllm([[1, self.limits.max_batch, k]]), now_s,
                         until_s=block_end_s + self.config.force_grace_s,
                         targets=sweep.targets)

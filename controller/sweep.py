@@ -59,6 +59,23 @@ class Sweep:
     targets: tuple[str, ...] = ()
     """The engines it forces (the canaries); empty: every engine of the key."""
 
+    late_s: float = 0.0
+    """How far the blocks run behind their plan: a tick that came after a whole block's
+    end ran that block from then on rather than skipping it."""
+
+    def block_at(self, now_s: float) -> int:
+        """The block to run at `now_s` (len(blocks) once all ran). At most one block further
+        than the last one asked for: with ticks coarser than a block (telemetry arriving in
+        bursts, a slow fit) the later blocks shift instead of being skipped."""
+        elapsed = now_s - self.started_s - self.late_s
+        ends = np.cumsum(self.block_s)
+        index = int(np.searchsorted(ends, elapsed, side="right"))
+        following = self.index + 1
+        if index > following:
+            self.late_s += elapsed - (float(ends[following - 1]) if following > 0 else 0.0)
+            index = following
+        return index
+
     @property
     def records_from_s(self) -> float:
         """Where the records the sweep's fits take begin."""

@@ -24,7 +24,7 @@ from controller.feed import TableFeed
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.identity import EngineIdentity
-from producers.recorder import StepRecorder
+from producers.recorder import RecorderConfig, StepRecorder
 from producers.sinks import KafkaSink
 from producers.twin.config import Scenario
 from producers.twin.policies import VLLM_DOC_TABLE, Policy
@@ -34,6 +34,11 @@ from producers.twin.summary import summarize
 from schemas import DraftTable, TableKey
 from tabletune.settings import Settings
 from tabletune.vllm_compat import check_with_vllm
+
+
+MIN_FRAME_INTERVAL_S = 0.02
+"""Wall seconds between an engine's telemetry frames at most speedups: below this, Kafka
+messages per second, not the engines, would fill the machine."""
 
 
 class FollowTables(Policy):
@@ -68,30 +73,49 @@ class FleetConfig:
             raise ValueError(f"duration_s={self.duration_s} must be > 0")
 
 
+class Fleet:
+    """The engines of one `run_fleet`, for callers that watch them while they run."""
+
+    def __init__(self, scenario: Scenario | str | Path, settings: Settings,
+                 config: FleetConfig | None = None) -> None:
+        self.config = config or FleetConfig()
+        settings.require_bootstrap()
+        self.scenario = (load_scenario(scenario) if not isinstance(scenario, Scenario)
+                         else scenario)
+        self.settings = settings
+        self.engines: list[_FleetEngine] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Fleet:
+        check_with_vllm(VLLM_DOC_TABLE)  # vLLM's validator imports in seconds: not mid-run
+        epoch_s = time.time()
+        self.engines = [_FleetEngine(_nth(self.scenario, i), self.settings, self.config,
+                                     epoch_s) for i in range(self.config.engines)]
+        self._threads = [threading.Thread(target=run.run, name=f"twin-{i}", daemon=True)
+                         for i, run in enumerate(self.engines)]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def join(self) -> dict[str, Any]:
+        for thread in self._threads:
+            thread.join()
+        failed = [run.error for run in self.engines if run.error is not None]
+        if failed:
+            raise failed[0]
+        engines = {run.engine_id: run.summary for run in self.engines}
+        return {"scenario": self.scenario.name, "policy": "tables-topic",
+                "speedup": self.config.speedup, "engines": engines,
+                "timeline": _fleet_timeline(self.engines),
+                "output_tokens_per_s": float(np.mean([s["output_tokens_per_s"]
+                                                      for s in engines.values()]))}
+
+
 def run_fleet(scenario: Scenario | str | Path, settings: Settings,
               config: FleetConfig | None = None) -> dict[str, Any]:
     """Run the fleet to the scenario's end; the `twin run --json` summary per engine under
     `engines`, and the fleet-mean output tokens/s per virtual second under `timeline`."""
-    config = config or FleetConfig()
-    settings.require_bootstrap()
-    base = load_scenario(scenario) if not isinstance(scenario, Scenario) else scenario
-    check_with_vllm(VLLM_DOC_TABLE)  # vLLM's validator imports in seconds: not mid-run
-    epoch_s = time.time()
-    runs = [_FleetEngine(_nth(base, i), settings, config, epoch_s) for i in range(config.engines)]
-    threads = [threading.Thread(target=run.run, name=f"twin-{i}", daemon=True)
-               for i, run in enumerate(runs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    failed = [run.error for run in runs if run.error is not None]
-    if failed:
-        raise failed[0]
-    engines = {run.engine_id: run.summary for run in runs}
-    return {"scenario": base.name, "policy": "tables-topic", "speedup": config.speedup,
-            "engines": engines, "timeline": _fleet_timeline(runs),
-            "output_tokens_per_s": float(np.mean([s["output_tokens_per_s"]
-                                                  for s in engines.values()]))}
+    return Fleet(scenario, settings, config).start().join()
 
 
 def _nth(scenario: Scenario, index: int) -> Scenario:
@@ -110,7 +134,13 @@ class _FleetEngine:
         self.engine, _, self.policy = build_engine(
             scenario, FollowTables(), duration_s=config.duration_s, realtime=True,
             speedup=config.speedup, epoch_s=epoch_s)
-        self.engine.recorder = StepRecorder(identity, self.sink, max_k=limits.max_k)
+        # frames as often in virtual time as a real engine's are in wall time (0.1 s): the
+        # control service's clock advances by frames, and its shortest block is 1 s
+        frames = RecorderConfig(frame_interval_s=max(MIN_FRAME_INTERVAL_S,
+                                                     RecorderConfig().frame_interval_s
+                                                     / config.speedup))
+        self.engine.recorder = StepRecorder(identity, self.sink, max_k=limits.max_k,
+                                            config=frames)
         key = TableKey(identity.model, identity.drafter, identity.hardware)
         engine_limits = EngineLimits(key, frozenset(range(limits.max_k + 1)),
                                      limits.max_num_seqs)

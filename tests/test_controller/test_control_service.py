@@ -1,0 +1,221 @@
+"""The production loop end to end on a real broker: `tabletune control` and a fleet of twin
+engines whose tables come only from the tables topic."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
+
+from controller.feed import TableFeed
+from controller.status import StatusPublisher
+from controller.table_log import read_topic
+from controller.validation import EngineLimits
+from producers.table_switch import TableSwitch
+from producers.twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
+from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
+from tabletune.settings import Settings, TopicNames
+from tabletune.twin_fleet import Fleet, FleetConfig
+from tests.test_controller.test_closed_loop import ngram_chat_to_code
+
+EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+SPEEDUP = 10.0
+
+
+def jump(c8_s: float = 70.0, c64_s: float = 100.0) -> Scenario:
+    """EAGLE, 8 users then 64."""
+    phases = [PhaseConfig(name="c8", duration_s=c8_s, concurrency=8, acceptance=EAGLE,
+                          prompt_len=355, output_len=300)]
+    if c64_s:
+        phases.append(PhaseConfig(name="c64", duration_s=c64_s, concurrency=64,
+                                  acceptance=EAGLE, prompt_len=355, output_len=300))
+    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                    drafter=DrafterConfig(method="eagle"), phases=tuple(phases))
+
+
+KEY = TableKey("llama-3.1-8b-instruct", "eagle", "twin-h100")
+NGRAM_KEY = TableKey("llama-3.1-8b-instruct", "ngram", "twin-h100")
+
+
+@pytest.fixture
+def settings(broker, unique_name) -> Settings:
+    names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
+                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    admin.create_topics([NewTopic(names.telemetry, 4, 1), NewTopic(names.tables, 1, 1),
+                         NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
+    admin.close()
+    return Settings(bootstrap_servers=(broker.bootstrap,), topics=names)
+
+
+def tables_log(settings: Settings) -> list[Any]:
+    return [parse_table_message(m.value) for m in read_topic(
+        settings, settings.topics.tables, idle_polls=2, timeout_s=10)]
+
+
+def status_events(settings: Settings) -> list[dict[str, Any]]:
+    return [json.loads(m.value) for m in read_topic(
+        settings, settings.topics.status, idle_polls=2, timeout_s=10)]
+
+
+def wait_for(predicate: Any, timeout_s: float, step_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    return predicate()
+
+
+class ControlProcess:
+    """`tabletune control` as its own process, on the test's topics."""
+
+    def __init__(self, settings: Settings, log_path: Any) -> None:
+        self.env = {**os.environ, "TABLETUNE_BOOTSTRAP": ",".join(settings.bootstrap_servers),
+                    "TABLETUNE_TOPIC_TELEMETRY": settings.topics.telemetry,
+                    "TABLETUNE_TOPIC_TABLES": settings.topics.tables,
+                    "TABLETUNE_TOPIC_STATUS": settings.topics.status,
+                    "TABLETUNE_TOPIC_DLQ": settings.topics.dlq}
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ControlProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tabletune.cli", "--verbose", "control",
+             "--duration-s", "300", "--decisions", str(self.log_path) + ".decisions"],
+            env=self.env, stdout=subprocess.DEVNULL,
+            stderr=open(self.log_path, "w"))
+        assert wait_for(lambda: "ready:" in self.log_path.read_text(), 60), self.log()
+        return self
+
+    def log(self) -> str:
+        decisions = self.log_path.with_name(self.log_path.name + ".decisions")
+        return self.log_path.read_text() + (decisions.read_text() if decisions.exists() else "")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def __enter__(self) -> ControlProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def test_a_cold_fleet_is_profiled_then_gets_its_first_table(settings, tmp_path):
+    fleet = Fleet(jump(c8_s=60.0, c64_s=0.0), settings,
+                  FleetConfig(engines=2, speedup=SPEEDUP))
+    with ControlProcess(settings, tmp_path / "control.log") as control:
+        result = fleet.start().join()
+    assert "(profiling)" in control.log()
+    envelopes = [m for m in tables_log(settings) if isinstance(m, TableEnvelope)]
+    assert envelopes and envelopes[0].version == 1 and envelopes[0].key == KEY
+    assert envelopes[0].provenance["reason"] == "profile"
+    forces = [m for m in tables_log(settings) if isinstance(m, TableControl)
+              and m.action == "force"]
+    assert {k for m in forces for k in m.table.k_values} == set(range(8))  # every K
+    assert all(not m.targets for m in forces)  # a cold profile forces every engine
+    for engine in fleet.engines:
+        assert engine.engine.switch.version == envelopes[-1].version
+        assert not engine.engine.switch.forced
+    for summary in result["engines"].values():
+        assert set(summary["k_share"]) == {str(k) for k in range(8)}
+    applied = [e for e in status_events(settings)
+               if e["event"] == "applied" and e["version"] == 1]
+    assert {e["engine_id"] for e in applied} == {e.engine_id for e in fleet.engines}
+
+
+def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(settings,
+                                                                               tmp_path):
+    # n-gram chat -> code: acceptance beyond the table's K moves, which live steps censor,
+    # so only a re-profile sees it (a load jump a pooled periodic refit may fix first)
+    fleet = Fleet(ngram_chat_to_code(code_s=180), settings,
+                  FleetConfig(engines=4, speedup=SPEEDUP))
+    with ControlProcess(settings, tmp_path / "control.log") as control:
+        fleet.start()
+        # an engine that joins once the fleet has a table reads the log and runs it
+        assert wait_for(lambda: any(isinstance(m, TableEnvelope)
+                                    for m in tables_log(settings)), 90), control.log()
+        late = TableSwitch(DraftTable.from_vllm([[1, 128, 3]]), max_k=7, max_batch=128)
+        status = StatusPublisher(settings, "late-engine", str(NGRAM_KEY))
+        feed = TableFeed(settings, late, EngineLimits(NGRAM_KEY, frozenset(range(8)), 128),
+                         status,
+                         explore_share=0.0).start()
+        try:
+            def applied_late() -> bool:
+                late.apply_staged()
+                return late.version >= 1
+            assert wait_for(applied_late, 20)
+        finally:
+            feed.stop()
+            status.close()
+        fleet.join()
+    log = tables_log(settings)
+    stale = [e for e in status_events(settings)
+             if e["event"] == "stale" and e["engine_id"] == "tabletune-control"]
+    assert stale, control.log()
+    canary_forces = [m for m in log if isinstance(m, TableControl) and m.action == "force"
+                     and m.targets]
+    assert canary_forces, control.log()
+    targets = canary_forces[0].targets
+    assert len(targets) == 1  # 25% of four engines
+    assert all(m.targets == targets for m in canary_forces)
+    decisions = control.log()
+    versions = [m.version for m in log if isinstance(m, TableEnvelope)]
+    assert versions == sorted(set(versions)) and len(versions) >= 2
+    after = [m for m in log if isinstance(m, TableEnvelope)
+             and m.provenance.get("reason") == "stale"]
+    assert after, decisions
+    for engine in fleet.engines:  # every engine ends on the newest table, none forced
+        assert engine.engine.switch.version == versions[-1]
+        assert not engine.engine.switch.forced
+
+
+def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settings, tmp_path):
+    fleet = Fleet(ngram_chat_to_code(code_s=150), settings,
+                  FleetConfig(engines=4, speedup=SPEEDUP))
+    first = ControlProcess(settings, tmp_path / "control-1.log").start()
+    second = ControlProcess(settings, tmp_path / "control-2.log")
+    try:
+        fleet.start()
+
+        def canary_forced() -> bool:
+            return any(isinstance(m, TableControl) and m.action == "force" and m.targets
+                       for m in tables_log(settings))
+        assert wait_for(canary_forced, 150), first.log()
+        first.kill()
+        killed_at = max(m.version for m in tables_log(settings)
+                        if isinstance(m, TableEnvelope))
+        # the force's expiry (its block + LoopConfig.force_grace_s, 30 virtual seconds)
+        assert wait_for(lambda: not any(e.engine.switch.forced for e in fleet.engines), 60)
+        second.start()
+        fleet.join()
+    finally:
+        first.stop()
+        second.stop()
+    log = tables_log(settings)
+    versions = [m.version for m in log if isinstance(m, TableEnvelope)]
+    assert versions == sorted(set(versions))  # no duplicate, no regressing version
+    assert max(versions) >= killed_at
+    restart = second.log()
+    assert "(live)" in restart and "(profiling)" not in restart, restart  # from the topics
+    assert not any(e.engine.switch.forced for e in fleet.engines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +61,8 @@ def register(commands: Any) -> None:
         "plus exploration steps) and derives a candidate table. With --publish it is "
         "published as version newest+1 only when its predicted gain over the current table "
         "(the newest on the tables topic, or --current) exceeds --threshold, or when the "
-        "table is flagged stale (--stale, or a 'stale' status event under --watch). The "
-        "candidate is always written to --out.")
+        "table is flagged stale (--stale). The candidate is always written to --out. A "
+        "one-shot batch job: the long-running control plane is `tabletune control`.")
     fit.add_argument("--parquet", required=True, metavar="DIR", help="telemetry dataset")
     fit.add_argument("--since", default=None, metavar="30m",
                      help="only steps this recent: 90s, 30m, 2h, 1d (default: all)")
@@ -88,10 +87,6 @@ def register(commands: Any) -> None:
     fit.add_argument("--current", default=None, metavar="FILE",
                      help="the current envelope from a file instead of the tables topic")
     fit.add_argument("--stale", action="store_true", help="treat the current table as stale")
-    fit.add_argument("--watch", action="store_true",
-                     help="repeat every --period and on 'stale' status events")
-    fit.add_argument("--period", type=float, default=300.0,
-                     help="seconds between refits with --watch (default 300)")
     fit.set_defaults(handler=run_fit)
 
 
@@ -141,7 +136,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_fit(args: argparse.Namespace) -> int:
     from fitter.refit import RefitError, parse_since
-    from fitter.refit_loop import RefitJob, refit_once, watch
+    from fitter.refit_loop import RefitJob, refit_once
 
     try:
         settings = Settings.from_env().with_bootstrap(args.bootstrap)
@@ -155,50 +150,9 @@ def run_fit(args: argparse.Namespace) -> int:
             threshold=args.threshold, half_life_s=args.half_life_s,
             current_file=Path(args.current) if args.current else None,
             publish=args.publish, settings=settings)
-        if args.watch:
-            metrics = FitterMetrics()
-            from tabletune.metrics import serve_metrics
-            serve_metrics("fitter", metrics.values, {"key": args.key or "auto"})
-
-            def on_outcome(outcome: Any) -> None:
-                metrics.observe(outcome)
-                print(json.dumps(outcome.to_dict()), flush=True)
-
-            watch(job, period_s=args.period, on_outcome=on_outcome)
-            return 0
         outcome = refit_once(job, stale=args.stale)
     except (RefitError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 0
     print(json.dumps(outcome.to_dict()))
     return 0
-
-
-class FitterMetrics:
-    """What a watching fitter exposes (TABLETUNE_METRICS_PORT): fits, their duration,
-    records used, publications and the newest published version."""
-
-    def __init__(self) -> None:
-        self.fits = 0
-        self.published = 0
-        self.records = 0
-        self.last_fit_s = 0.0
-        self.published_version = 0
-        self._last = time.monotonic()
-
-    def observe(self, outcome: Any) -> None:
-        now = time.monotonic()
-        self.fits += 1
-        self.last_fit_s = now - self._last
-        self._last = now
-        self.records = outcome.records
-        if outcome.offset is not None:
-            self.published += 1
-            self.published_version = outcome.decision.envelope.version
-
-    def values(self) -> dict[str, float]:
-        return {"fits_total": self.fits, "published_total": self.published,
-                "fit_records": self.records, "seconds_between_fits": self.last_fit_s,
-                "published_version": self.published_version}

@@ -12,12 +12,9 @@ import dataclasses
 import datetime as dt
 import json
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from kafka import KafkaConsumer, TopicPartition
 
 from controller.table_log import publish, read_log
 from fitter.dataset import read_dataset
@@ -105,96 +102,3 @@ def refit_once(job: RefitJob, *, stale: bool = False,
         log.info("published %s version %d at offset %d (%s)", key,
                  decision.envelope.version, offset, decision.reason)
     return RefitOutcome(decision, records.height, offset)
-
-
-class StaleEvents:
-    """`stale` events for one table key on the status topic, newer than when it started.
-
-    Reads from the beginning with explicit partitions (no consumer group: a group join is
-    slow on some brokers and the watcher needs no shared offsets) and skips events stamped
-    before it started, so end offsets, which some brokers get wrong, are never needed.
-    """
-
-    def __init__(self, settings: Settings, key: TableKey | None) -> None:
-        self.settings = settings
-        self.key = key
-        self.started = dt.datetime.now(dt.UTC)
-        self._consumer: KafkaConsumer | None = None
-
-    def wait(self, timeout_s: float) -> bool:
-        """True as soon as a matching stale event arrives, False after `timeout_s`."""
-        consumer = self._ensure()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                return False
-            for messages in consumer.poll(timeout_ms=min(left_ms, 500)).values():
-                if any(self._matches(m.value) for m in messages):
-                    return True
-
-    def _matches(self, value: bytes) -> bool:
-        try:
-            event = json.loads(value)
-            at = dt.datetime.fromisoformat(str(event.get("at", "")))
-        except (ValueError, TypeError):
-            return False
-        if event.get("event") != "stale" or at < self.started:
-            return False
-        return self.key is None or event.get("table_key") == str(self.key)
-
-    def _ensure(self) -> KafkaConsumer:
-        if self._consumer is None:
-            consumer = KafkaConsumer(**self.settings.client_kwargs(), enable_auto_commit=False)
-            topic = self.settings.topics.status
-            partitions = [TopicPartition(topic, p)
-                          for p in sorted(consumer.partitions_for_topic(topic) or ())]
-            consumer.assign(partitions)
-            if partitions:
-                consumer.seek_to_beginning(*partitions)
-            self._consumer = consumer
-        return self._consumer
-
-    def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
-
-
-def watch(job: RefitJob, *, period_s: float, count: int | None = None,
-          timeout_s: float | None = None,
-          on_outcome: Callable[[RefitOutcome], None] | None = None) -> list[RefitOutcome]:
-    """Refit every `period_s` and at once on a `stale` event; stop after `count` refits or
-    `timeout_s` (both None: until interrupted). A failed refit is logged and retried at the
-    next period: a transient broker or data problem must not end the watcher."""
-    events = StaleEvents(job.settings, job.key) if job.settings is not None \
-        and job.settings.bootstrap_servers else None
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    outcomes: list[RefitOutcome] = []
-    stale = False
-    try:
-        while count is None or len(outcomes) < count:
-            try:
-                outcome = refit_once(job, stale=stale)
-            except (ValueError, FileNotFoundError) as exc:
-                log.warning("refit failed: %s", exc)
-            else:
-                outcomes.append(outcome)
-                if on_outcome is not None:
-                    on_outcome(outcome)
-            if count is not None and len(outcomes) >= count:
-                break
-            wait_s = period_s
-            if deadline is not None:
-                wait_s = min(wait_s, deadline - time.monotonic())
-                if wait_s <= 0:
-                    break
-            if events is not None:
-                stale = events.wait(wait_s)
-            else:
-                time.sleep(wait_s)
-                stale = False
-    finally:
-        if events is not None:
-            events.close()
-    return outcomes

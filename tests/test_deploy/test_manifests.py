@@ -41,7 +41,7 @@ def _walk(node):
 
 def test_manifests_exist_and_parse():
     names = {p.name for p in MANIFESTS}
-    assert {"docker-compose.yml", "prometheus.yml", "vllm-deployment.yaml", "fitter.yaml",
+    assert {"docker-compose.yml", "prometheus.yml", "vllm-deployment.yaml", "control.yaml",
             "topics-job.yaml", "secret.yaml", "configmap.yaml"} <= names
     assert len(list(_documents())) >= 8
 
@@ -57,7 +57,7 @@ def _tabletune_commands():
 
 def test_every_tabletune_command_parses_with_the_real_cli():
     commands = list(_tabletune_commands())
-    assert {c[1][0] for c in commands} >= {"ingest", "fit"}
+    assert {c[1][0] for c in commands} >= {"ingest", "control"}
     parser = build_parser()
     for path, argv in commands:
         try:

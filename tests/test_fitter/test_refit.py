@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import time
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -156,27 +155,3 @@ def test_publishes_on_gain_only_and_versions_follow_the_topic(tmp_path, settings
     assert third.decision.publish and third.decision.reason == "stale"
     versions = [e.message.version for e in read_log(settings, KEY)]
     assert versions == [3, 4, 5]
-
-
-def test_watch_refits_on_a_stale_event(tmp_path, settings, records, fitted):
-    import threading
-
-    from controller.status import StatusPublisher
-    from fitter.refit_loop import watch
-
-    _write_dataset(tmp_path, records, "live")
-    publish(settings, fitted)
-    job = RefitJob(parquet=tmp_path, publish=True, settings=settings, half_life_s=None)
-    status = StatusPublisher(settings, "engine-1", str(KEY))
-
-    def flag_stale() -> None:
-        time.sleep(1.5)
-        status.emit("stale", reason="test")
-        status.close()
-
-    threading.Thread(target=flag_stale, daemon=True).start()
-    started = time.monotonic()
-    outcomes = watch(job, period_s=60.0, count=2, timeout_s=30.0)
-    assert time.monotonic() - started < 30.0  # woken by the event, not the period
-    assert [o.decision.reason for o in outcomes] == ["below threshold", "stale"]
-    assert outcomes[1].offset is not None

@@ -504,3 +504,74 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     after = [r for r in records if r["step_seq"] >= forced_seq + 1]
     assert after and not switch.forced and switch.version == following
     assert any(not r["forced"] and r["k_next"] != 1 for r in after)
+
+
+def test_a_cold_openai_server_is_profiled_by_tabletune_control(tiny_model_dir, cache_dir,
+                                                                broker, tmp_path):
+    """A vLLM server with the hook and `tabletune control`, nothing else: the control service
+    sees the cold key, forces every startup K on the server through the tables topic, fits
+    the forced steps and publishes a first table, which the server applies."""
+    import threading
+
+    from controller.table_log import read_topic
+    from schemas import TableControl, TableEnvelope, parse_table_message
+    from tabletune.settings import Settings
+
+    port, key = free_port(), "tiny|ngram|control-cpu"
+    settings = Settings(bootstrap_servers=(broker.bootstrap,))
+    log_path = tmp_path / "control.log"
+    control = subprocess.Popen(
+        [sys.executable, "-m", "tabletune.cli", "--verbose", "control", "--key", key,
+         "--duration-s", "400", "--decisions", str(tmp_path / "decisions.jsonl")],
+        cwd=REPO, env={**os.environ, "TABLETUNE_BOOTSTRAP": broker.bootstrap},
+        stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
+    server = None
+    stop = threading.Event()
+
+    def load() -> None:  # four closed-loop clients
+        body = json.dumps({"model": "tiny", "prompt": vllm_setup.prompts(1)[0],
+                           "max_tokens": 48}).encode()
+        while not stop.is_set():
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                             data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+                    response.read()
+            except OSError:
+                time.sleep(0.2)
+
+    def applied_v1() -> bool:
+        events = [json.loads(m.value) for m in read_topic(settings, settings.topics.status,
+                                                           idle_polls=1, timeout_s=5)]
+        return any(e["event"] == "applied" and e.get("version") == 1
+                   and e["engine_id"] == "openai-control-engine" for e in events)
+
+    clients = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    try:
+        server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
+                               TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
+                               TABLETUNE_BOOTSTRAP=broker.bootstrap,
+                               TABLETUNE_ENGINE_ID="openai-control-engine",
+                               TABLETUNE_HARDWARE="control-cpu", TABLETUNE_TABLE_KEY=key)
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 240
+        while not applied_v1() and time.monotonic() < deadline:
+            time.sleep(2)
+        assert applied_v1(), log_path.read_text()[-3000:]
+    finally:
+        stop.set()
+        if server is not None:
+            _stop_server(server)
+        control.terminate()
+        control.wait(timeout=30)
+    log = [parse_table_message(m.value) for m in read_topic(settings, settings.topics.tables)
+           if m.key == key.encode()]
+    forces = [m for m in log if isinstance(m, TableControl) and m.action == "force"]
+    # every K of the startup table (the engine refuses any other)
+    assert {k for m in forces for k in m.table.k_values} == \
+        DraftTable.from_vllm(vllm_setup.STARTUP_TABLE).k_values
+    first = next(m for m in log if isinstance(m, TableEnvelope))
+    assert first.version == 1 and first.provenance["reason"] == "profile"
+    assert "(profiling)" in log_path.read_text()

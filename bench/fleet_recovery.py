@@ -1,0 +1,198 @@
+"""Stale-table recovery through the production path, beside the in-memory twin's.
+
+    .venv/bin/python -m bench.fleet_recovery --scenario eagle-concurrency-jump.toml \\
+        [--seeds 12 ...] [--engines 4] [--speedup 10] [--out DIR]
+
+Per seed: an embedded broker, `tabletune control` as its own process and `twin fleet`
+engines (engine i runs seed + i) whose tables come only from the tables topic. Then, in
+memory and per engine seed: every fixed K, the table the fleet ran when each later phase
+began held fixed ("stale"), and the in-memory `tabletune` policy (the same ControlService
+with an in-memory channel). Rates are pooled over the engines, over each phase after its
+first 2 minutes: recovery = (tabletune - stale) / (best fixed K - stale). Also the
+re-profile's canary cost: how much less the canary engine emitted than the others while it
+was forced, as a share of the fleet's output over the phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import emit
+from bench.controller_bench import SETTLE_S, window_rate
+from producers.twin import BUILTIN_SCENARIOS, FixedK, StaticTable, load_scenario, run_scenario
+from producers.twin.config import Scenario
+from producers.twin.tabletune_policy import TabletunePolicy
+from schemas import DraftTable
+from tabletune.broker import EmbeddedBroker
+from tabletune.settings import Settings
+from tabletune.twin_fleet import Fleet, FleetConfig
+
+
+def _nth(scenario: Scenario, index: int) -> Scenario:
+    engine = dataclasses.replace(scenario.engine, engine_id=f"{scenario.engine.engine_id}-{index}")
+    return dataclasses.replace(scenario, engine=engine, seed=scenario.seed + index)
+
+
+def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
+    """(the fleet's result, the control service's decisions, the fleet's epoch)."""
+    broker = EmbeddedBroker()
+    bootstrap = broker.start()
+    decisions = work / "decisions.jsonl"
+    log = work / "control.log"
+    env = {**os.environ, "TABLETUNE_BOOTSTRAP": bootstrap}
+    control = subprocess.Popen(
+        [sys.executable, "-m", "tabletune.cli", "--verbose", "control", "--decisions",
+         str(decisions)], env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        deadline = time.monotonic() + 60
+        while "ready:" not in log.read_text():
+            if time.monotonic() > deadline or control.poll() is not None:
+                raise RuntimeError(f"tabletune control did not start: {log.read_text()}")
+            time.sleep(0.2)
+        fleet = Fleet(scenario, Settings(bootstrap_servers=(bootstrap,)),
+                      FleetConfig(engines=engines, speedup=speedup)).start()
+        result = fleet.join()
+        epoch_s = fleet.engines[0].engine.epoch_s
+    finally:
+        control.send_signal(signal.SIGTERM)
+        control.wait(timeout=60)
+        broker.stop()
+    rows = [json.loads(line) for line in decisions.read_text().splitlines() if line]
+    return result, rows, epoch_s
+
+
+def table_at(decisions: list[dict[str, Any]], epoch_s: float, t_s: float
+             ) -> tuple[int, DraftTable] | None:
+    staged = [d for d in decisions if d["what"] == "stage" and d["t_s"] - epoch_s <= t_s]
+    if not staged:
+        return None
+    return staged[-1]["version"], DraftTable.from_vllm(staged[-1]["table"])
+
+
+def canary_cost(fleet: dict[str, Any], decisions: list[dict[str, Any]], epoch_s: float,
+                phase: dict[str, Any]) -> dict[str, Any] | None:
+    """The canary's output deficit while forced, against the other engines' mean, as a
+    share of the whole fleet's output over the phase."""
+    starts = [d for d in decisions if d["what"] == "reprofile"
+              and phase["start_s"] <= d["t_s"] - epoch_s < phase["end_s"]]
+    if not starts or not starts[0]["targets"]:
+        return None
+    begin = starts[0]["t_s"] - epoch_s
+    ends = [d["t_s"] - epoch_s for d in decisions
+            if d["what"] == "refit" and d.get("reason") == "stale" and d["t_s"] - epoch_s > begin]
+    end = ends[0] if ends else phase["end_s"]
+    canaries = set(starts[0]["targets"])
+
+    def emitted(summary: dict[str, Any], a: float, b: float) -> float:
+        return sum(rate * 10.0 for t, rate in summary["timeline"] if a <= t < b)
+
+    forced = [emitted(s, begin, end) for e, s in fleet["engines"].items() if e in canaries]
+    others = [emitted(s, begin, end) for e, s in fleet["engines"].items() if e not in canaries]
+    total = sum(emitted(s, phase["start_s"], phase["end_s"]) for s in fleet["engines"].values())
+    deficit = sum(np.mean(others) - f for f in forced)
+    return {"canaries": sorted(canaries), "forced_s": round(end - begin, 1),
+            "canary_vs_others": round(float(np.sum(forced) / (len(forced) * np.mean(others))), 4),
+            "fleet_output_lost_pct": round(100 * float(deficit) / total, 3)}
+
+
+def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, Any]:
+    base = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS / name), seed=seed)
+    with tempfile.TemporaryDirectory() as work:
+        fleet, decisions, epoch_s = run_production(base, engines, speedup, Path(work))
+    scenarios = [_nth(base, i) for i in range(engines)]
+    summaries = [fleet["engines"][s.engine.engine_id] for s in scenarios]
+    fixed = [{k: run_scenario(s, FixedK(k)) for k in range(s.engine.max_k + 1)}
+             for s in scenarios]
+    in_memory = []
+    for s in scenarios:
+        policy = TabletunePolicy()
+        in_memory.append(run_scenario(s, policy))
+        policy.close()
+    rows = []
+    for index, phase in enumerate(summaries[0]["phases"][1:], start=1):
+        start, end = phase["start_s"] + SETTLE_S, phase["end_s"]
+        stale = table_at(decisions, epoch_s, phase["start_s"])
+        if stale is None:
+            continue
+        stale_rate = sum(window_rate(run_scenario(s, StaticTable(stale[1], name="stale")),
+                                     start, end) for s in scenarios)
+        rates = {k: sum(window_rate(runs[k], start, end) for runs in fixed)
+                 for k in fixed[0]}
+        best = max(rates, key=lambda k: rates[k])
+        fleet_rate = sum(sum(r for t, r in s["timeline"] if start <= t < end)
+                         / max(1, sum(1 for t, _ in s["timeline"] if start <= t < end))
+                         for s in summaries)
+        memory_rate = sum(window_rate(run, start, end) for run in in_memory)
+        loss = rates[best] - stale_rate
+        rows.append({
+            "scenario": name, "seed": seed, "phase": phase["name"], "window_s": [start, end],
+            "stale_version": stale[0], "stale_table": stale[1].to_vllm(),
+            "best_fixed_k": best, "best_fixed_tok_s": round(rates[best], 1),
+            "stale_tok_s": round(stale_rate, 1), "fleet_tok_s": round(fleet_rate, 1),
+            "in_memory_tok_s": round(memory_rate, 1),
+            "stale_loss_pct": round(100 * loss / rates[best], 2),
+            "fleet_recovery": round((fleet_rate - stale_rate) / loss, 3) if loss > 0 else None,
+            "in_memory_recovery": round((memory_rate - stale_rate) / loss, 3)
+            if loss > 0 else None,
+            "canary": canary_cost(fleet, decisions, epoch_s, fleet_phase(summaries, index)),
+            "stale_events": sum(1 for d in decisions if d["what"] == "stale"),
+            "versions": sorted({d["version"] for d in decisions if d["what"] == "stage"}),
+        })
+    return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
+            "phases": rows}
+
+
+def fleet_phase(summaries: list[dict[str, Any]], index: int) -> dict[str, Any]:
+    return summaries[0]["phases"][index]
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = ["| scenario | seed | phase | stale loss | fleet recovery | in-memory recovery | "
+             "canary cost (fleet output) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for result in results:
+        for row in result["phases"]:
+            canary = row["canary"]
+            lines.append(
+                f"| {row['scenario']} | {row['seed']} | {row['phase']} | "
+                f"{row['stale_loss_pct']}% | {row['fleet_recovery']} | "
+                f"{row['in_memory_recovery']} | "
+                f"{canary['fleet_output_lost_pct'] if canary else '-'}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", action="append", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="scenario seeds (default: the scenario's own)")
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--speedup", type=float, default=10.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for name in args.scenario:
+        seeds = args.seeds or [load_scenario(BUILTIN_SCENARIOS / name).seed]
+        for seed in seeds:
+            results.append(recovery(name, seed, args.engines, args.speedup))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    emit("fleet_recovery", {"results": results}, args.out)
+    if args.out:
+        Path(args.out, "fleet_recovery.md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

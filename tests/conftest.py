@@ -7,8 +7,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
 
 from tabletune.broker import EmbeddedBroker
+from tabletune.settings import Settings, TopicNames
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,6 +32,18 @@ def broker() -> Iterator[EmbeddedBroker]:
 @pytest.fixture
 def unique_name() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def topic_settings(broker: EmbeddedBroker, unique_name: str) -> Settings:
+    """Settings for the session's broker with this test's own four topics, created."""
+    names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
+                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    admin.create_topics([NewTopic(names.telemetry, 4, 1), NewTopic(names.tables, 1, 1),
+                         NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
+    admin.close()
+    return Settings(bootstrap_servers=(broker.bootstrap,), topics=names)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import datetime as dt
+import json
+
 import pytest
 
 from controller.agent import Mode, TableAgent
 from controller.validation import EngineLimits
-from schemas import DraftTable, TableControl, TableEnvelope, TableKey
+from schemas import DraftTable, SignatureError, TableControl, TableEnvelope, TableKey
 
 KEY = TableKey("llama", "eagle", "h100")
 KEYRING = {"k1": b"secret"}
@@ -145,3 +148,31 @@ def test_force_messages_need_a_table_and_a_zoned_expiry():
     tampered = TableControl.from_dict({**sent.to_dict(), "table": [[1, 64, 5]]})
     with pytest.raises(Exception, match="MAC"):
         tampered.verify(KEYRING)
+
+
+def test_a_targeted_force_holds_only_the_engines_it_names():
+    forced = DraftTable.from_vllm([[1, 64, 3]])
+    force = TableControl(key=KEY, action="force", version=None, issued_at="now",
+                         table=forced, expires_at="2099-01-01T00:00:00+00:00",
+                         targets=("canary-1",)).signed("k1", b"secret")
+    release = TableControl(key=KEY, action="release", version=None, issued_at="now",
+                           targets=("canary-1",)).signed("k1", b"secret")
+    agents = {engine: TableAgent(EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), KEYRING,
+                                 lambda event, **fields: None, engine_id=engine)
+              for engine in ("canary-1", "other-2")}
+    now = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    for agent in agents.values():
+        agent.on_control(TableControl.from_dict(json.loads(force.to_json())))
+    assert agents["canary-1"].forced_table(now) == forced
+    assert agents["other-2"].forced_table(now) is None
+    agents["canary-1"].on_control(release)
+    assert agents["canary-1"].forced_table(now) is None
+
+
+def test_targets_travel_in_the_signed_payload():
+    force = TableControl(key=KEY, action="release", version=None, issued_at="now",
+                         targets=("a",)).signed("k1", b"secret")
+    retargeted = TableControl.from_dict({**json.loads(force.to_json()),
+                                         "targets": ["b"]})
+    with pytest.raises(SignatureError, match="MAC does not match"):
+        retargeted.verify(KEYRING)

@@ -12,8 +12,6 @@ import time
 from typing import Any
 
 import pytest
-from kafka import KafkaAdminClient
-from kafka.admin import NewTopic
 
 from controller.feed import TableFeed
 from controller.status import StatusPublisher
@@ -22,7 +20,7 @@ from controller.validation import EngineLimits
 from producers.table_switch import TableSwitch
 from producers.twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
-from tabletune.settings import Settings, TopicNames
+from tabletune.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.test_controller.test_closed_loop import ngram_chat_to_code
 
@@ -46,14 +44,8 @@ NGRAM_KEY = TableKey("llama-3.1-8b-instruct", "ngram", "twin-h100")
 
 
 @pytest.fixture
-def settings(broker, unique_name) -> Settings:
-    names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
-                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
-    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-    admin.create_topics([NewTopic(names.telemetry, 4, 1), NewTopic(names.tables, 1, 1),
-                         NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
-    admin.close()
-    return Settings(bootstrap_servers=(broker.bootstrap,), topics=names)
+def settings(topic_settings) -> Settings:
+    return topic_settings
 
 
 def tables_log(settings: Settings) -> list[Any]:

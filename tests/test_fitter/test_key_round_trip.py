@@ -8,8 +8,6 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from kafka import KafkaAdminClient
-from kafka.admin import NewTopic
 
 from controller.feed import TableFeed
 from controller.status import StatusPublisher
@@ -21,7 +19,7 @@ from fitter.surface.synthetic import make_step_records
 from producers.sinks import KafkaSink
 from producers.table_switch import TableSwitch
 from schemas import DraftTable, TableKey
-from tabletune.settings import Settings, TopicNames
+from tabletune.settings import Settings
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle:EAGLE3-LLaMA3.1-Instruct-8B",
                "NVIDIA H100 80GB HBM3")
@@ -29,14 +27,8 @@ MAX_BATCH = 64
 
 
 @pytest.fixture
-def settings(broker, unique_name) -> Settings:
-    names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
-                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
-    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-    admin.create_topics([NewTopic(names.telemetry, 2, 1), NewTopic(names.tables, 1, 1),
-                         NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
-    admin.close()
-    return Settings(bootstrap_servers=(broker.bootstrap,), topics=names)
+def settings(topic_settings) -> Settings:
+    return topic_settings
 
 
 def _stamped(records: pa.Table, key: TableKey, engine_id: str) -> pa.Table:

@@ -31,6 +31,13 @@ HEADER_RECORDS = "tabletune-records"
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+"""Largest decompressed frame a reader accepts by default. Engines frame 1,024 records
+(~150 KB of Arrow IPC); 64 MiB leaves room for frames hundreds of times larger while a
+compression bomb (a 49 KB zstd frame can declare 1.5 GiB) is refused before it is expanded."""
+DEFAULT_MAX_FRAME_RECORDS = 65_536
+"""Most records a reader accepts in one frame by default (64 times an engine's frame)."""
+
 
 class FrameError(ValueError):
     """A telemetry frame that cannot be decoded; `reason` is a stable machine-readable code."""
@@ -87,19 +94,33 @@ def encode_frame(records: pa.Table | pa.RecordBatch, *, compression_level: int =
 
 
 def decode_frame(
-    value: bytes, headers: list[tuple[str, bytes]] | None = None
+    value: bytes, headers: list[tuple[str, bytes]] | None = None, *,
+    max_bytes: int = DEFAULT_MAX_FRAME_BYTES, max_records: int = DEFAULT_MAX_FRAME_RECORDS,
 ) -> pa.Table:
     """Decode one frame into a table with exactly `STEP_RECORD_SCHEMA`.
 
     Raises `FrameError` naming what is wrong: empty, not_zstd, truncated, corrupt,
-    unknown_schema_version, missing_column, wrong_type. Extra columns (from a newer writer
-    of the same schema version) are dropped.
+    too_large (decompresses to more than `max_bytes`), too_many_records (more than
+    `max_records`), unknown_schema_version, missing_column, wrong_type. Extra columns (from a
+    newer writer of the same schema version) are dropped. Memory stays bounded by `max_bytes`:
+    a declared content size over it is refused before decompressing, and a frame without one
+    is expanded only up to the bound.
     """
-    _check_header_version(headers or [])
-    raw = _decompress(value)
+    headers = headers or []
+    _check_header_version(headers)
+    _check_header_records(headers, max_records)
+    raw = _decompress(value, max_bytes)
     try:
         reader = ipc.open_stream(pa.BufferReader(raw))
-        table = reader.read_all()
+        batches = []
+        rows = 0
+        for batch in reader:
+            rows += batch.num_rows
+            if rows > max_records:
+                raise FrameError("too_many_records",
+                                 f"more than {max_records} records in one frame")
+            batches.append(batch)
+        table = pa.Table.from_batches(batches, schema=reader.schema)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise FrameError("corrupt", f"not a readable Arrow IPC stream ({exc})") from exc
     if _check_schema_version(table.schema) == 1:
@@ -111,6 +132,20 @@ def _check_header_version(headers: list[tuple[str, bytes]]) -> None:
     for name, raw in headers:
         if name == HEADER_SCHEMA_VERSION:
             _require_known_version(raw, "header " + HEADER_SCHEMA_VERSION)
+
+
+def _check_header_records(headers: list[tuple[str, bytes]], max_records: int) -> None:
+    """A frame that says it holds too many records is refused before it is decompressed
+    (the count is checked again on the decoded records: a header can lie)."""
+    for name, raw in headers:
+        if name == HEADER_RECORDS:
+            try:
+                declared = int(raw)
+            except ValueError:
+                continue
+            if declared > max_records:
+                raise FrameError("too_many_records", f"header {HEADER_RECORDS} says "
+                                 f"{declared} records; at most {max_records} are accepted")
 
 
 def _require_known_version(raw: bytes | None, where: str) -> int:
@@ -126,7 +161,7 @@ def _require_known_version(raw: bytes | None, where: str) -> int:
     return version
 
 
-def _decompress(value: bytes) -> bytes:
+def _decompress(value: bytes, max_bytes: int) -> bytes:
     if not value:
         raise FrameError("empty", "the message value is empty")
     if not value.startswith(_ZSTD_MAGIC):
@@ -135,14 +170,23 @@ def _decompress(value: bytes) -> bytes:
         params = zstandard.get_frame_parameters(value)
     except zstandard.ZstdError as exc:
         raise FrameError("truncated", f"zstd frame header incomplete ({exc})") from exc
+    declared = None if params.content_size == zstandard.CONTENTSIZE_UNKNOWN \
+        else params.content_size
+    if declared is not None and declared > max_bytes:
+        raise FrameError("too_large", f"the zstd frame declares {declared} bytes; at most "
+                         f"{max_bytes} are accepted")
     try:
-        out = zstandard.ZstdDecompressor().decompressobj().decompress(value)
+        # One zstd frame, expanded at most one byte past the bound whatever it declares.
+        with zstandard.ZstdDecompressor().stream_reader(value) as reader:
+            out = reader.read(max_bytes + 1)
     except zstandard.ZstdError as exc:
         raise FrameError("corrupt", f"zstd decompression failed ({exc})") from exc
-    expected = params.content_size
-    if expected > 0 and len(out) < expected:
+    if len(out) > max_bytes:
+        raise FrameError("too_large", f"the zstd frame decompresses to more than {max_bytes} "
+                         "bytes")
+    if declared is not None and len(out) < declared:
         raise FrameError(
-            "truncated", f"decompressed {len(out)} of {expected} bytes: the frame was cut short"
+            "truncated", f"decompressed {len(out)} of {declared} bytes: the frame was cut short"
         )
     return out
 

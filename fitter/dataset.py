@@ -1,8 +1,11 @@
 """The Parquet telemetry dataset the ingest job writes and the fitter reads.
 
 Layout: `DIR/model=M/drafter=D/hardware=H/date=YYYY-MM-DD/hour=HH/<topic>-p<partition>-
-<first offset>-<last offset>.parquet`. A file's name says which Kafka offsets it holds, so a
-restarted ingest can tell exactly which records are already durable (see ingest.py).
+<first offset>-<last offset>[-r<n>].parquet`. A file's name says which Kafka offsets it holds,
+so a restarted ingest knows which files may already hold a record it reads again (see
+ingest.py); it skips a record only when that file does hold it. Offsets are not identities:
+a topic deleted and created again restarts at 0 under the same name, and the records it then
+carries are new. A name that is taken (same offsets, other records) gets the next `-r<n>`.
 
 Identity is never read back from the folder names: every file keeps its records' `model`,
 `drafter` and `hardware` columns byte for byte, and the folders only sort the files. Their
@@ -17,7 +20,6 @@ import datetime as dt
 import os
 import re
 import urllib.parse
-from collections import defaultdict
 from pathlib import Path
 
 import polars as pl
@@ -27,7 +29,11 @@ IDENTITY_COLUMNS = ("model", "drafter", "hardware")
 PARTITION_COLUMNS = (*IDENTITY_COLUMNS, "date", "hour")
 SOURCE_PARTITION = "source_partition"
 SOURCE_OFFSET = "source_offset"
-_FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<last>\d+)\.parquet$")
+_FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<last>\d+)"
+                        r"(?:-r(?P<reuse>\d+))?\.parquet$")
+RECORD_IDENTITY = ("engine_id", "step_seq", "ts_ns")
+"""What makes a stored record the same record: ingest skips a record read again only if a
+file already holds these three values."""
 
 
 def hive_path(model: str, drafter: str, hardware: str, date: str, hour: int) -> str:
@@ -36,27 +42,28 @@ def hive_path(model: str, drafter: str, hardware: str, date: str, hour: int) -> 
         ("hour", f"{hour:02d}")))
 
 
-def file_name(topic: str, partition: int, first_offset: int, last_offset: int) -> str:
-    return f"{topic}-p{partition}-{first_offset:012d}-{last_offset:012d}.parquet"
+def file_name(topic: str, partition: int, first_offset: int, last_offset: int,
+              reuse: int = 0) -> str:
+    """`reuse` > 0 names a second file of the same offsets (the topic's offsets restarted)."""
+    suffix = f"-r{reuse}" if reuse else ""
+    return f"{topic}-p{partition}-{first_offset:012d}-{last_offset:012d}{suffix}.parquet"
 
 
-def covered_offsets(root: str | os.PathLike[str], topic: str
-                    ) -> dict[tuple[int, str], list[tuple[int, int]]]:
-    """Offset ranges already written, per (partition, hive directory), from file names."""
-    coverage: dict[tuple[int, str], list[tuple[int, int]]] = defaultdict(list)
-    base = Path(root)
-    if not base.exists():
-        return coverage
-    for path in base.rglob("*.parquet"):
-        match = _FILE_NAME.match(path.name)
-        if match is None or match["topic"] != topic:
-            continue
-        directory = path.parent.relative_to(base).as_posix()
-        coverage[(int(match["partition"]), directory)].append(
-            (int(match["first"]), int(match["last"])))
-    for ranges in coverage.values():
-        ranges.sort()
-    return coverage
+def offset_files(folder: str | os.PathLike[str], topic: str, partition: int
+                 ) -> list[tuple[int, int, str]]:
+    """(first offset, last offset, file name) of the files in `folder` that ingest wrote from
+    `topic`'s `partition`, sorted; empty when the folder does not exist."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _FILE_NAME.match(name)
+        if match is not None and match["topic"] == topic \
+                and int(match["partition"]) == partition:
+            found.append((int(match["first"]), int(match["last"]), name))
+    return sorted(found)
 
 
 def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = None,

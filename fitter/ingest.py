@@ -7,44 +7,89 @@ sequence (Quix Streams' checkpoint):
   2. rename it to its final name (topic, partition and offset range) and fsync the folder,
   3. flush the dead-letter producer,
   4. commit offset + 1 synchronously.
-A crash anywhere leaves either nothing durable for the window (temp files are removed at
-start-up) or final files whose names say which offsets they hold: on restart the window is
-read again and records whose offsets a final file in the same folder already covers are
-skipped. Readers dedupe on (engine_id, step_seq) as a second defence.
-Malformed frames go to the dead-letter topic with the reason and source offset; the job
-never stops on bad data.
+A crash anywhere leaves either nothing durable for the window (temp files of dead writers are
+removed at start-up) or final files whose names say which offsets they may hold: the window
+is read again, and a record at an offset such a file covers is skipped only if that file
+holds the record itself (engine_id, step_seq, ts_ns). Offsets alone are not identities: a
+topic deleted and created again restarts at offset 0 under the same name, and its records
+are new; they are written (next to the old files, under a free name), never dropped.
+Readers dedupe on (engine_id, step_seq) as a second defence.
+
+Rebalances: the consumer's rebalance callbacks only note that the assignment changed; the
+poll loop then abandons every in-flight window (nothing of it committed: the partition's
+owner reads it again from the committed offset, and the file check above keeps a window that
+was already renamed from being written twice) and rewinds its partitions to their committed
+offsets. A commit refused because the group is rebalancing (or has moved on without this
+member) is logged and treated the same way; ingest keeps running.
+
+Malformed frames go to the dead-letter topic with the reason and source offset; so do frames
+that would decompress past `max_frame_bytes` or hold more than `max_frame_records` (refused
+before they are expanded). The job never stops on bad data.
+
+`until_idle_s` (batch jobs) stops only once caught up: every partition of the topic, whoever
+owns it, committed by the group up to its end offset. Idle but behind (a member holds
+partitions without committing, a rebalance is due), it keeps consuming; once nothing has
+moved for `lag_wait_s`, `run()` raises `IngestIncomplete` naming the lag per partition.
 """
 
 from __future__ import annotations
 
-import bisect
+import fcntl
 import logging
 import os
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import (
+    CommitFailedError,
+    FencedInstanceIdError,
+    IllegalGenerationError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+)
 
 from fitter.dataset import (
+    RECORD_IDENTITY,
     SOURCE_OFFSET,
     SOURCE_PARTITION,
-    covered_offsets,
     file_name,
     hive_path,
+    offset_files,
 )
 from schemas import FrameError, decode_frame
-from tabletune.settings import Settings
+from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
+from tabletune.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
 Stage = str
 """'temp_written', 'renamed', 'dlq_flushed', 'committed' — for fault-injection in tests."""
+
+MAX_FRAME_BYTES_LIMIT = 2**31 - 1
+"""Arrow buffers and one message's memory: no setting above 2 GiB is sane."""
+MAX_FRAME_RECORDS_LIMIT = 10_000_000
+
+_REBALANCE_COMMIT_ERRORS = (CommitFailedError, RebalanceInProgressError,
+                            IllegalGenerationError, UnknownMemberIdError,
+                            FencedInstanceIdError)
+"""A commit refused because the group moved on: the window's files stay, its offsets are
+read again by whoever owns the partition now."""
+
+_LOCKS = ".ingest-locks"
+_TEMP_PREFIX = ".tmp-"
+_IDENTITY_CACHE_FILES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +101,36 @@ class IngestConfig:
     window_s: float = 10.0
     """... or when its oldest record has waited this long."""
     until_idle_s: float | None = None
-    """Stop after this many seconds without new messages (batch mode); None runs forever."""
+    """Stop after this many seconds without new messages, once caught up (batch mode);
+    None runs forever."""
+    lag_wait_s: float = 30.0
+    """Batch mode, idle but behind the topic's end offsets: how long nothing may move (no
+    message for us, no commit by any member) before `run()` gives up with `IngestIncomplete`.
+    Longer than a session timeout, so a dead member's partitions come to us first."""
     poll_max_records: int = 2000
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Largest decompressed frame accepted; larger ones are dead-lettered (too_large)."""
+    max_frame_records: int = DEFAULT_MAX_FRAME_RECORDS
+    """Most records accepted in one frame; more are dead-lettered (too_many_records)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> SettingsError:
+            return SettingsError(f"ingest {name}={getattr(self, name)!r}: {rule}")
+
+        if not 1 <= self.window_records:
+            raise bad("window_records", "must be >= 1")
+        if not self.window_s > 0:
+            raise bad("window_s", "must be > 0")
+        if self.until_idle_s is not None and not self.until_idle_s > 0:
+            raise bad("until_idle_s", "must be > 0 (or None to run forever)")
+        if not self.lag_wait_s >= 0:
+            raise bad("lag_wait_s", "must be >= 0")
+        if not 1 <= self.poll_max_records:
+            raise bad("poll_max_records", "must be >= 1")
+        if not 1024 <= self.max_frame_bytes <= MAX_FRAME_BYTES_LIMIT:
+            raise bad("max_frame_bytes", f"must be within 1024..{MAX_FRAME_BYTES_LIMIT}")
+        if not 1 <= self.max_frame_records <= MAX_FRAME_RECORDS_LIMIT:
+            raise bad("max_frame_records", f"must be within 1..{MAX_FRAME_RECORDS_LIMIT}")
 
 
 @dataclass
@@ -68,9 +141,32 @@ class IngestCounters:
     windows: int = 0
     dlq: int = 0
     skipped_duplicates: int = 0
+    reset_records: int = 0
+    """Records at offsets an existing file covers that the file does not hold (the topic's
+    offsets restarted): written, not skipped."""
+    abandoned_windows: int = 0
+    """In-flight windows dropped uncommitted on a rebalance (their records are read again)."""
+    commit_failures: int = 0
+    """Window commits the group refused during a rebalance (files kept, offsets re-read)."""
     lag_records: int = 0
     """Messages behind the partitions' high watermarks at the last check (consumer lag)."""
+    unread: dict[int, int] = field(default_factory=dict)
+    """Batch mode: messages per partition between the group's committed offset and the end
+    offset at the last check, over every partition of the topic (empty: caught up)."""
     dlq_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class IngestIncomplete(RuntimeError):
+    """Batch mode ended idle but not caught up; `unread` maps partition -> messages."""
+
+    def __init__(self, topic: str, unread: dict[int, int], detail: str,
+                 counters: IngestCounters) -> None:
+        total = sum(unread.values())
+        behind = f": {total} messages unread" if total else ""
+        super().__init__(f"not caught up on {topic}{behind} ({detail})")
+        self.topic = topic
+        self.unread = unread
+        self.counters = counters
 
 
 @dataclass
@@ -80,6 +176,47 @@ class _Window:
     first_offset: int = -1
     last_offset: int = -1
     opened_at: float = 0.0
+
+
+class _AssignmentChanges(ConsumerRebalanceListener):
+    """Runs on kafka-python's IO thread: only notes changes; the poll loop acts on them.
+
+    `joining` is True from a revocation (every eager rebalance starts with one) until the
+    next assignment. Meanwhile the poll loop only polls: kafka-python 3.0 finishes a
+    JoinGroup/SyncGroup in the background and, if no poll() is waiting on it when it
+    completes (the loop busy committing or asking for offsets, which queue behind the
+    JoinGroup on the coordinator's connection), drops the result and joins again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changes = 0
+        self._joining = False
+
+    @property
+    def changes(self) -> int:
+        with self._lock:
+            return self._changes
+
+    @property
+    def joining(self) -> bool:
+        with self._lock:
+            return self._joining
+
+    def _note(self, what: str, partitions: object, *, joining: bool) -> None:
+        with self._lock:
+            self._changes += 1
+            self._joining = joining
+        log.info("partitions %s: %s", what, sorted(getattr(tp, "partition", tp)
+                                                   for tp in partitions or ()))
+
+    def on_partitions_revoked(self, revoked: object) -> None:
+        self._note("revoked", revoked, joining=True)
+
+    def on_partitions_lost(self, lost: object) -> None:
+        self._note("lost", lost, joining=True)
+
+    def on_partitions_assigned(self, assigned: object) -> None:
+        self._note("assigned", assigned, joining=False)
 
 
 class Ingestor:
@@ -97,23 +234,49 @@ class Ingestor:
         self._dlq: KafkaProducer | None = None
         self._stop = False
         self._lag_checked = 0.0
+        self._changes = _AssignmentChanges()
+        self._rewind = False
+        self._seen_changes = 0
+        self._joining_since: float | None = None
+        self._identities: OrderedDict[Path, pl.DataFrame] = OrderedDict()
+        self._token = uuid.uuid4().hex[:12]
+        self._lock_file: IO[str] | None = None
+        self._caught_up_checked = 0.0
+        self._progress: tuple[tuple[int, int], ...] | None = None
+        self._stalled_since = 0.0
         config.out_dir.mkdir(parents=True, exist_ok=True)
-        self._remove_temp_files()
-        self._coverage = covered_offsets(config.out_dir, self.topic)
+        self._claim()
+        self._remove_dead_temp_files()
 
     def stop(self) -> None:
         self._stop = True
 
     def run(self) -> IngestCounters:
+        if self._lock_file is None:
+            self._claim()
         consumer = self._consumer = KafkaConsumer(**self.settings.consumer_kwargs(
             group_id=self.config.group_id, enable_auto_commit=False,
             auto_offset_reset="earliest", max_poll_records=self.config.poll_max_records,
             fetch_max_bytes=64 * 1024 * 1024))
         try:
-            consumer.subscribe([self.topic])
+            consumer.subscribe([self.topic], listener=self._changes)
             started = last_message = time.monotonic()
             while not self._stop:
+                self._seen_changes = self._changes.changes
                 batches = consumer.poll(timeout_ms=200)
+                if self._changes.joining:  # a rebalance: poll only, until assigned
+                    self._drop_windows()
+                    self._rewind = True
+                    last_message = time.monotonic()
+                    self._check_join(started)
+                    continue
+                self._joining_since = None
+                if self._rewind or self._assignment_moved():
+                    # The assignment moved during this poll (or a commit was refused): what
+                    # it returned and every open window may belong to another owner now.
+                    self._abandon_windows(consumer)
+                    last_message = time.monotonic()
+                    continue
                 joining = not consumer.assignment() and time.monotonic() - started < 60
                 if batches or joining:  # idle time counts once the group has assigned us
                     last_message = time.monotonic()
@@ -125,13 +288,16 @@ class Ingestor:
                 idle_for = time.monotonic() - last_message
                 self._close_windows(force=bool(idle_for > 1.0 and self._windows))
                 until_idle = self.config.until_idle_s
-                if until_idle is not None and idle_for >= until_idle and not self._windows:
+                if until_idle is not None and idle_for >= until_idle and not self._windows \
+                        and not self._rewind and self._caught_up(consumer):
                     break
-            self._close_windows(force=True)
+            if not self._rewind:
+                self._close_windows(force=True)
         finally:
             consumer.close(autocommit=False)
             if self._dlq is not None:
                 self._dlq.close(timeout=5)
+            self._release()
         return self.counters
 
     def _update_lag(self, consumer: KafkaConsumer) -> None:
@@ -144,6 +310,87 @@ class Ingestor:
                 lag += max(0, highwater - consumer.position(tp))
         self.counters.lag_records = lag
 
+    # ---- rebalance ------------------------------------------------------------------------
+    def _assignment_moved(self) -> bool:
+        """A rebalance callback ran since the last poll began."""
+        return self._changes.changes != self._seen_changes
+
+    def _drop_windows(self) -> None:
+        if self._windows:
+            log.info("rebalance: abandoning windows of partitions %s (uncommitted; read "
+                     "again from the committed offsets)", sorted(self._windows))
+        self.counters.abandoned_windows += len(self._windows)
+        self._windows.clear()
+
+    def _abandon_windows(self, consumer: KafkaConsumer) -> None:
+        """Drop every open window uncommitted and rewind the assigned partitions to the
+        group's committed offsets: their records are read again, by us or the new owner."""
+        self._rewind = True
+        self._drop_windows()
+        try:
+            for tp in consumer.assignment():
+                committed = consumer.committed(tp)
+                if committed is None:
+                    consumer.seek_to_beginning(tp)
+                else:
+                    consumer.seek(tp, committed)
+        except (*_REBALANCE_COMMIT_ERRORS, ValueError) as exc:
+            # the group moved again (ValueError: a partition is no longer assigned)
+            log.info("rebalance: rewind deferred to the next poll (%s)", exc)
+            return
+        self._rewind = False
+
+    # ---- batch mode: caught up? ------------------------------------------------------------
+    def _check_join(self, started: float) -> None:
+        """Batch mode: a rebalance that never ends (a member gone without leaving holds it
+        for its rebalance timeout) is a failure to report, not a reason to wait forever."""
+        now = time.monotonic()
+        if self._joining_since is None:
+            self._joining_since = now
+        limit = max(60.0, self.config.lag_wait_s)
+        if self.config.until_idle_s is not None and now - self._joining_since >= limit:
+            raise IngestIncomplete(self.topic, dict(self.counters.unread), (
+                f"group {self.config.group_id!r} has been rebalancing for {limit:g}s "
+                f"(running {now - started:.0f}s); a member that is gone without leaving "
+                "holds the group until its rebalance timeout"), self.counters)
+
+    def _caught_up(self, consumer: KafkaConsumer) -> bool:
+        """True once the group's committed offsets reach the end offsets of every partition
+        of the topic; raises `IngestIncomplete` once behind with nothing moving for
+        `lag_wait_s`."""
+        now = time.monotonic()
+        if now - self._caught_up_checked < 1.0:
+            return False
+        self._caught_up_checked = now
+        bounds = partition_bounds(self.settings, self.topic)
+        committed = {p: consumer.committed(TopicPartition(self.topic, p)) for p in bounds}
+        unread: dict[int, int] = {}
+        details: list[str] = []
+        for partition, (begin, end) in sorted(bounds.items()):
+            if end is None:
+                unread[partition] = 0
+                details.append(f"partition {partition}: end offset unknown")
+                continue
+            done = max(begin, committed[partition] or 0)
+            if end > done:
+                unread[partition] = end - done
+                details.append(f"partition {partition}: {end - done} (committed "
+                               f"{committed[partition]}, end {end})")
+        self.counters.unread = unread
+        if not unread:
+            return True
+        progress = tuple(sorted((p, c or 0) for p, c in committed.items()))
+        if progress != self._progress:
+            self._progress, self._stalled_since = progress, now
+        if now - self._stalled_since >= self.config.lag_wait_s:
+            owned = sorted(tp.partition for tp in consumer.assignment())
+            raise IngestIncomplete(self.topic, unread, "; ".join(details) + (
+                f"; this member owns partitions {owned}, nothing moved for "
+                f"{self.config.lag_wait_s:g}s: another member of group "
+                f"{self.config.group_id!r} holds the rest without committing"),
+                self.counters)
+        return False
+
     # ---- per message ----------------------------------------------------------------------
     def _accept(self, partition: int, message: object) -> None:
         window = self._windows.get(partition)
@@ -152,7 +399,9 @@ class Ingestor:
                                                         first_offset=message.offset)
         window.last_offset = message.offset
         try:
-            table = decode_frame(message.value or b"", list(message.headers or []))
+            table = decode_frame(message.value or b"", list(message.headers or []),
+                                 max_bytes=self.config.max_frame_bytes,
+                                 max_records=self.config.max_frame_records)
         except FrameError as exc:
             self._dead_letter(partition, message, exc)
             return
@@ -166,7 +415,8 @@ class Ingestor:
 
     def _dead_letter(self, partition: int, message: object, error: FrameError) -> None:
         if self._dlq is None:
-            self._dlq = KafkaProducer(**self.settings.client_kwargs(), linger_ms=5)
+            self._dlq = KafkaProducer(**self.settings.client_kwargs(), linger_ms=5,
+                                      max_request_size=16 * 1024 * 1024)
         source = f"{self.topic}:{partition}:{message.offset}"
         headers = [("tabletune-dlq-reason", error.reason.encode()),
                    ("tabletune-dlq-detail", error.detail.encode()[:2000]),
@@ -188,10 +438,16 @@ class Ingestor:
             window = self._windows[partition]
             if force or window.records >= self.config.window_records \
                     or now - window.opened_at >= self.config.window_s:
-                self._commit_window(partition, window)
                 del self._windows[partition]
+                if not self._commit_window(partition, window):
+                    return
 
-    def _commit_window(self, partition: int, window: _Window) -> None:
+    def _commit_window(self, partition: int, window: _Window) -> bool:
+        """False when the group refused the commit, or the assignment moved since the poll
+        (a rebalance): the poll loop then abandons the other windows and rewinds."""
+        if self._assignment_moved():
+            self._rewind = True
+            return False
         if window.tables:
             records = pl.from_arrow(pa.concat_tables(window.tables))
             self._write_groups(partition, records)
@@ -200,60 +456,173 @@ class Ingestor:
         self.on_stage("dlq_flushed")
         assert self._consumer is not None
         tp = TopicPartition(self.topic, partition)
-        self._consumer.commit({tp: OffsetAndMetadata(window.last_offset + 1, "", -1)})
+        if self._assignment_moved():  # the files stay; the offsets are read again
+            self._rewind = True
+            return False
+        try:
+            self._consumer.commit({tp: OffsetAndMetadata(window.last_offset + 1, "", -1)})
+        except _REBALANCE_COMMIT_ERRORS as exc:
+            self.counters.commit_failures += 1
+            self._rewind = True
+            log.warning("commit of partition %d offsets %d-%d refused (%s: %s): its files "
+                        "stay, the offsets are read again after the rebalance", partition,
+                        window.first_offset, window.last_offset, type(exc).__name__, exc)
+            return False
         self.counters.windows += 1
         self.on_stage("committed")
+        return True
 
     def _write_groups(self, partition: int, records: pl.DataFrame) -> None:
         stamps = pl.from_epoch(pl.col("ts_ns"), time_unit="ns")
         records = records.with_columns(stamps.dt.strftime("%Y-%m-%d").alias("_date"),
                                        stamps.dt.hour().alias("_hour"))
-        written: list[tuple[Path, Path, str, int, int]] = []
+        written: list[tuple[Path, Path]] = []
         for keys, group in records.group_by(["model", "drafter", "hardware", "_date",
                                              "_hour"]):
             model, drafter, hardware, date, hour = keys
             directory = hive_path(model, drafter, hardware, date, int(hour))
-            group = self._skip_covered(partition, directory, group.drop(["_date", "_hour"]))
+            folder = self.config.out_dir / directory
+            group = self._skip_stored(partition, folder, group.drop(["_date", "_hour"]))
             if group.height == 0:
                 continue
             offsets = group.get_column(SOURCE_OFFSET)
             first, last = int(offsets.min()), int(offsets.max())
-            final = self.config.out_dir / directory / file_name(self.topic, partition, first,
-                                                                 last)
+            reuse = 0
+            while (folder / file_name(self.topic, partition, first, last, reuse)).exists():
+                reuse += 1  # same offsets, other records: the topic's offsets restarted
+            final = folder / file_name(self.topic, partition, first, last, reuse)
             final.parent.mkdir(parents=True, exist_ok=True)
-            temporary = final.parent / f".tmp-{final.name}"
+            temporary = final.parent / f"{_TEMP_PREFIX}{self._token}-{final.name}.part"
             table = group.to_arrow()  # identity stays in the file, byte for byte
             pq.write_table(table, temporary, compression="zstd")
             _fsync(temporary)
-            written.append((temporary, final, directory, first, last))
+            written.append((temporary, final))
             self.counters.records += group.height
         self.on_stage("temp_written")
-        for temporary, final, directory, first, last in written:
+        for temporary, final in written:
             os.replace(temporary, final)
             _fsync(final.parent)
-            bisect.insort(self._coverage.setdefault((partition, directory), []), (first, last))
             self.counters.files += 1
         self.on_stage("renamed")
 
-    def _skip_covered(self, partition: int, directory: str, group: pl.DataFrame
-                      ) -> pl.DataFrame:
-        ranges = self._coverage.get((partition, directory))
-        if not ranges:
+    def _skip_stored(self, partition: int, folder: Path, group: pl.DataFrame
+                     ) -> pl.DataFrame:
+        """Drop the records a file in `folder` already holds. Only files whose name covers a
+        record's offset are read (their identity columns, cached): the folder is listed at
+        each write, so files another replica renamed since are seen too."""
+        files = offset_files(folder, self.topic, partition)
+        if not files:
             return group
         offsets = group.get_column(SOURCE_OFFSET).to_numpy()
-        starts = np.array([r[0] for r in ranges])
-        ends = np.array([r[1] for r in ranges])
-        index = np.searchsorted(starts, offsets, side="right") - 1
-        covered = (index >= 0) & (offsets <= ends[np.clip(index, 0, None)])
-        skipped = int(covered.sum())
+        covered = np.zeros(len(offsets), dtype=bool)
+        covering: list[Path] = []
+        for first, last, name in files:
+            inside = (offsets >= first) & (offsets <= last)
+            if inside.any():
+                covered |= inside
+                covering.append(folder / name)
+        if not covering:
+            return group
+        stored = pl.concat([self._stored_identities(path) for path in covering])
+        rows = group.select(RECORD_IDENTITY).with_row_index("_row").filter(pl.Series(covered))
+        held = rows.join(stored, on=list(RECORD_IDENTITY), how="semi").get_column("_row")
+        skip = np.zeros(len(offsets), dtype=bool)
+        skip[held.to_numpy()] = True
+        skipped = int(skip.sum())
+        reset = int(covered.sum()) - skipped
+        if reset:
+            self.counters.reset_records += reset
+            log.warning("partition %d: %d records at offsets that files in %s cover are not in "
+                        "them (the topic's offsets restarted?): written, not skipped",
+                        partition, reset, folder)
         if skipped:
             self.counters.skipped_duplicates += skipped
-            group = group.filter(pl.Series(~covered))
+            group = group.filter(pl.Series(~skip))
         return group
 
-    def _remove_temp_files(self) -> None:
-        for leftover in self.config.out_dir.rglob(".tmp-*.parquet"):
-            leftover.unlink()
+    def _stored_identities(self, path: Path) -> pl.DataFrame:
+        cached = self._identities.get(path)
+        if cached is not None:
+            self._identities.move_to_end(path)
+            return cached
+        try:
+            table = pq.read_table(path, columns=list(RECORD_IDENTITY))
+            identities = pl.from_arrow(table).unique()
+        except (OSError, pa.ArrowException, pl.exceptions.PolarsError) as exc:
+            # an unreadable file holds nothing we may skip for: rather a duplicate than a loss
+            log.warning("cannot read identities of %s (%s): its offsets are written again",
+                        path, exc)
+            identities = pl.DataFrame(schema={"engine_id": pl.String, "step_seq": pl.Int64,
+                                              "ts_ns": pl.Int64})
+        self._identities[path] = identities
+        while len(self._identities) > _IDENTITY_CACHE_FILES:
+            self._identities.popitem(last=False)
+        return identities
+
+    # ---- temp files of dead writers -------------------------------------------------------
+    def _claim(self) -> None:
+        """Hold an advisory lock for as long as this ingestor may leave temp files, so a
+        replica starting beside it removes only the temp files of writers that are gone."""
+        locks = self.config.out_dir / _LOCKS
+        locks.mkdir(exist_ok=True)
+        handle = open(locks / f"{self._token}.lock", "w")  # noqa: SIM115 (held until release)
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._lock_file = handle
+
+    def _release(self) -> None:
+        handle, self._lock_file = self._lock_file, None
+        if handle is not None:
+            Path(handle.name).unlink(missing_ok=True)
+            handle.close()
+
+    def _remove_dead_temp_files(self) -> None:
+        live = {self._token}
+        for lock in (self.config.out_dir / _LOCKS).glob("*.lock"):
+            if lock.stem == self._token:
+                continue
+            try:
+                with open(lock) as handle:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    lock.unlink(missing_ok=True)  # its owner is gone
+            except BlockingIOError:
+                live.add(lock.stem)
+            except FileNotFoundError:
+                pass
+        for leftover in self.config.out_dir.rglob(f"{_TEMP_PREFIX}*"):
+            owner = leftover.name[len(_TEMP_PREFIX):len(_TEMP_PREFIX) + len(self._token)]
+            if owner not in live:
+                leftover.unlink(missing_ok=True)
+
+
+def partition_bounds(settings: Settings, topic: str, *, timeout_s: float = 10.0
+                     ) -> dict[int, tuple[int, int | None]]:
+    """(log start, end offset) of every partition of `topic`; the end is None where no fetch
+    answered within `timeout_s`.
+
+    The end is the high watermark a fetch reports (`consumer.highwater`), read by a consumer
+    outside any group that assigns itself every partition and fetches once near its end.
+    ListOffsets (`end_offsets`) is only the hint where to fetch from: it is exact on Apache
+    Kafka, but some Kafka-protocol brokers answer the start of the last batch + 1."""
+    consumer = KafkaConsumer(**settings.client_kwargs(), group_id=None,
+                             enable_auto_commit=False, auto_offset_reset="earliest",
+                             fetch_max_wait_ms=100)
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise SettingsError(f"topic {topic!r} has no partitions (does it exist?)")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        begins = consumer.beginning_offsets(tps)
+        hints = consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, max(begins[tp], hints[tp] - 1))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(consumer.highwater(tp) is None
+                                                  for tp in tps):
+            consumer.poll(timeout_ms=100)
+        return {tp.partition: (begins[tp], consumer.highwater(tp)) for tp in tps}
+    finally:
+        consumer.close()
 
 
 def _fsync(path: Path) -> None:
@@ -263,5 +632,3 @@ def _fsync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-

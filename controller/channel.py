@@ -10,6 +10,7 @@ once, as if the topic had no latency. Engines fold them with the same code eithe
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -32,7 +33,7 @@ def clock_time(seconds: float) -> datetime:
 class ControlChannel(Protocol):
     def send(self, message: Message) -> None:
         """Deliver `message` to every engine of its key, in order; never raises for a
-        broker problem (the loop's next decision will be sent again)."""
+        broker problem (what could not be sent is kept and sent first next time)."""
 
 
 class InMemoryChannel:
@@ -41,7 +42,7 @@ class InMemoryChannel:
     def __init__(self, feeds: list[EngineFeed] | None = None) -> None:
         self.feeds = list(feeds or [])
         self.log: list[Message] = []
-        """Every message sent, in order: what an engine that joins later replays."""
+        """Every message sent, in order (the topic's log)."""
 
     def send(self, message: Message) -> None:
         self.log.append(message)
@@ -49,37 +50,66 @@ class InMemoryChannel:
             feed.handle(message)
             feed.sync()
 
-    def join(self, feed: EngineFeed) -> None:
-        """A new engine reads the log from the beginning, as a `TableFeed` does."""
-        for message in self.log:
-            feed.handle(message)
-        feed.sync()
-        self.feeds.append(feed)
+
+RETRY_S = 2.0
+"""After a failed send, the next try comes this much later."""
+MAX_UNSENT = 1024
+"""Messages kept through a broker outage, oldest dropped first (a control service ticks once
+a second: minutes of decisions)."""
 
 
 class KafkaChannel:
-    """The tables topic: signed when a signing key is configured, keyed by table key."""
+    """The tables topic: signed when a signing key is configured, keyed by table key.
+
+    A message the broker did not acknowledge is kept, in order, and sent before the next
+    one (`resend()` also retries on the service's idle polls): an envelope the loop decided
+    on reaches the engines once the broker is back, and in the order it was decided."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.errors = 0
+        self.dropped = 0
+        self._unsent: list[Message] = []
         self._producer: KafkaProducer | None = None
+        self._retry_at = 0.0
 
     def send(self, message: Message) -> None:
         settings = self.settings
         if settings.signing_key_id is not None and settings.signing_secret is not None:
             message = message.signed(settings.signing_key_id, settings.signing_secret)
-        try:
-            if self._producer is None:
-                self._producer = KafkaProducer(**settings.client_kwargs(), max_block_ms=5000,
-                                               linger_ms=0)
-            self._producer.send(settings.topics.tables, key=str(message.key).encode(),
-                                value=message.to_json()).get(timeout=10)
-        except Exception:  # a broker outage: counted; the caller's state says what to resend
-            self.errors += 1
-            log.warning("could not send %s to %s", type(message).__name__,
-                        settings.topics.tables, exc_info=True)
-            self.close()
+        self._unsent.append(message)
+        if len(self._unsent) > MAX_UNSENT:
+            self._unsent.pop(0)
+            self.dropped += 1
+        self.resend()
+
+    @property
+    def unsent(self) -> int:
+        return len(self._unsent)
+
+    def resend(self) -> bool:
+        """Send what is waiting, in order; False (counted, logged) at the first failure,
+        and no new try for `RETRY_S` after one (a down broker would block every poll)."""
+        settings = self.settings
+        if time.monotonic() < self._retry_at:
+            return False
+        while self._unsent:
+            message = self._unsent[0]
+            try:
+                if self._producer is None:
+                    self._producer = KafkaProducer(**settings.client_kwargs(),
+                                                   max_block_ms=2000, linger_ms=0)
+                self._producer.send(settings.topics.tables, key=str(message.key).encode(),
+                                    value=message.to_json()).get(timeout=5)
+            except Exception:  # a broker outage: kept for the next try
+                self.errors += 1
+                log.warning("could not send %s to %s (%d waiting)", type(message).__name__,
+                            settings.topics.tables, len(self._unsent), exc_info=True)
+                self.close()
+                self._retry_at = time.monotonic() + RETRY_S
+                return False
+            self._unsent.pop(0)
+        return True
 
     def close(self) -> None:
         if self._producer is not None:

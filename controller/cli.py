@@ -75,8 +75,6 @@ def register(commands: Any) -> None:
                        "(default 0.25)")
     serve.add_argument("--refit-s", type=float, default=30.0,
                        help="telemetry seconds between periodic refits (default 30)")
-    serve.add_argument("--explore", type=float, default=0.02,
-                       help="share of steps engines run at a neighbouring K (default 0.02)")
     serve.add_argument("--decisions", default=None, metavar="FILE",
                        help="at exit, write every decision of every key's loop to FILE, one "
                        "JSON object a line (profile, refit, stale, reprofile, stage, ...)")
@@ -88,7 +86,6 @@ def register(commands: Any) -> None:
 
 def run_control_service(args: argparse.Namespace) -> int:
     from controller.control_runner import ControlRunConfig, ControlRunner
-    from controller.exploration import ExplorationConfig
     from controller.loop_config import LoopConfig
     from fitter.derive import fit_table
 
@@ -96,8 +93,7 @@ def run_control_service(args: argparse.Namespace) -> int:
     try:
         key = None if args.key is None else TableKey.parse(args.key)
         config = ControlRunConfig(key=key, lookback_s=args.lookback_s)
-        loop_config = LoopConfig(canary_share=args.canary_share, refit_interval_s=args.refit_s,
-                                 exploration=ExplorationConfig(share=args.explore))
+        loop_config = LoopConfig(canary_share=args.canary_share, refit_interval_s=args.refit_s)
         if args.duration_s is not None and args.duration_s <= 0:
             raise ValueError(f"--duration-s {args.duration_s} must be > 0")
     except (ValueError, EnvelopeError) as exc:

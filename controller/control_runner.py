@@ -76,8 +76,13 @@ class ControlRunner:
         self.service = ControlService(fit, channel_for, config=loop_config, settings=settings,  # type: ignore[arg-type]
                                       only_key=self.config.key)
         self.records = 0
+        self.history_records = 0
         self.bad_frames = 0
         self._stop = threading.Event()
+        self._telemetry: KafkaConsumer | None = None
+        self._live_from: dict[TopicPartition, int] = {}
+        """Per partition, the first offset that is live: the high watermark when it was
+        first fetched. What came before is the lookback's history, for fits only."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -92,7 +97,7 @@ class ControlRunner:
         try:
             self._catch_up(tables, self._on_table)
             self._catch_up(status, self._on_status)
-            telemetry = self._reader(topics.telemetry, from_beginning=False)
+            telemetry = self._telemetry = self._reader(topics.telemetry, from_beginning=False)
             log.info("ready: %d key(s) known from the tables and status topics",
                      len(self.service.starts))
             try:
@@ -103,6 +108,9 @@ class ControlRunner:
                     self._drain(tables, self._on_table, timeout_ms=0)
                     self._drain(telemetry, self._on_telemetry, timeout_ms=self.config.poll_ms)
                     self.service.tick()
+                    for channel in self.channels.values():
+                        if channel.unsent:
+                            channel.resend()
             finally:
                 telemetry.close()
         finally:
@@ -125,8 +133,11 @@ class ControlRunner:
         consumer.assign(assigned)
         if not assigned:
             return consumer
-        if from_beginning or self.config.lookback_s <= 0:
+        if from_beginning:
             consumer.seek_to_beginning(*assigned)
+            return consumer
+        if self.config.lookback_s <= 0:
+            consumer.seek_to_end(*assigned)
             return consumer
         since_ms = int((time.time() - self.config.lookback_s) * 1000)
         offsets = consumer.offsets_for_times({tp: since_ms for tp in assigned})
@@ -168,13 +179,14 @@ class ControlRunner:
     def _on_status(self, message: object) -> None:
         try:
             event = json.loads(message.value)  # type: ignore[attr-defined]
-            if event.get("event") != "started" or "startup_table" not in event:
+            if not isinstance(event, dict) or event.get("event") != "started" \
+                    or "startup_table" not in event:
                 return
             key = TableKey.parse(str(event["table_key"]))
             limits = EngineLimits(key, frozenset(int(k) for k in event["startup_k_values"]),
                                   int(event["max_batch"]))
             startup = DraftTable.from_vllm(event["startup_table"])
-        except (ValueError, TypeError, KeyError, EnvelopeError, TableError):
+        except (ValueError, TypeError, KeyError, AttributeError, EnvelopeError, TableError):
             return  # another producer's event, or an older engine's without limits
         self.service.engine_started(key, limits, startup)
 
@@ -184,6 +196,17 @@ class ControlRunner:
                                    list(message.headers or []))  # type: ignore[attr-defined]
         except FrameError:
             self.bad_frames += 1  # ingest dead-letters it; the service only skips it
+            return
+        tp = TopicPartition(message.topic, message.partition)  # type: ignore[attr-defined]
+        live_from = self._live_from.get(tp)
+        if live_from is None:
+            assert self._telemetry is not None
+            highwater = self._telemetry.highwater(tp)
+            live_from = self._live_from[tp] = (message.offset  # type: ignore[attr-defined]
+                                               if highwater is None else highwater)
+        if message.offset < live_from:  # type: ignore[attr-defined]
+            self.history_records += records.num_rows
+            self.service.history(records)
             return
         self.records += records.num_rows
         self.service.records(records)

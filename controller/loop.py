@@ -1,12 +1,13 @@
-"""The closed loop on one engine: profile, follow, refit, explore, guard, detect drift.
+"""The closed loop of one table key, for all its engines: profile, refit, guard, re-profile.
 
-Fed telemetry records and the clock (`tick(now_s, records)`), it drives a `TableSwitch`
-through the same decisions production makes: a fitted envelope goes through
-`TableAgent.on_envelope` (validation, versions), the agent's desired table is staged with its
-explorer, the `Guardrail` watches every swap and a ROLL_BACK goes through
-`TableAgent.roll_back(reason, **evidence)`, the `DriftDetector` emits `stale` and triggers a
-re-profile and a refit. Time is whatever the records say (virtual time in the twin), so the
-loop runs in-process at any speed; every wait is a deadline on that clock.
+Fed the key's telemetry and the clock (`tick(now_s, records)`), it decides what the fleet
+runs and says so through a `ControlChannel` (the tables topic, or the twin's engines in
+memory): a fitted envelope goes through the loop's own `TableAgent.on_envelope` (validation,
+versions) and is sent; sweeps are `force` controls (a re-profile's name its canaries) and a
+`release`; the `Guardrail` watches every swap and a ROLL_BACK is sent as a new version that
+restores the previous table; the `DriftDetector` emits `stale` and starts a re-profile. Time
+is whatever the records say (telemetry time; virtual time in the twin), so the loop runs at
+any speed; every wait is a deadline on that clock.
 
 The re-profile after `stale`, and why each part. The drift shows while the old traffic's
 requests still run, so the stale table first runs on for `reprofile_settle_s`. Short blocks
@@ -125,9 +126,9 @@ class ClosedLoop:
         """Where the last re-profile's settling stretch began: the stale table's baseline
         for the guardrail watch on the refit after it."""
         self.decisions: list[dict[str, Any]] = []
-        """Every decision with its virtual time, for benchmarks and tests."""
+        """Every decision with its (telemetry) time, for benchmarks, tests and audits."""
         self.applied: list[tuple[float, int, DraftTable]] = []
-        """(virtual time, version, table) of each table the loop staged, in order."""
+        """(telemetry time, version, table) of each table the loop sent, in order."""
         if current is not None or newest_version > 0:
             self._resume(current, newest_version)
 
@@ -146,8 +147,7 @@ class ClosedLoop:
         """A cold key profiles every engine at once (no table to protect yet); a resumed
         loop refits after a fit window of live steps instead."""
         cfg = self.config
-        if self.state is LoopState.LIVE:
-            self._data_since_s = now_s
+        if self.state is LoopState.LIVE:  # the fits' window may hold the lookback's steps
             self._next_refit_s = now_s + cfg.refit_interval_s
             desired = self.agent.desired()
             self.drift.set_envelope(self._active_version,
@@ -186,6 +186,15 @@ class ClosedLoop:
             self.publish(envelope, now_s)
         finally:
             self._muted = False
+        # refused here or not, the number is taken: the next version the loop sends is newer
+        self.agent.state.newest_version = max(self.agent.state.newest_version,
+                                              envelope.version)
+
+    def preload(self, records: pa.Table) -> None:
+        """Steps from before the loop started (a restarted service's lookback): kept for
+        the fits' window only, never shown to the guardrail or the drift detector."""
+        if records.num_rows:
+            self._records.append(records.sort_by("ts_ns"))
 
     def tick(self, now_s: float, records: pa.Table | None) -> None:
         """Once per control interval with the records recorded since the last tick."""
@@ -282,6 +291,11 @@ class ClosedLoop:
         if index == sweep.index:
             return
         sweep.index = index
+        if index == 1 and sweep.fit_since_s is not None:
+            # the settling stretch ran long if its tick came late: the fits start where
+            # the first forced block really does
+            sweep.fit_since_s = sweep.started_s + sweep.late_s + sweep.block_s[0]
+            self._data_since_s = max(self._data_since_s, sweep.fit_since_s)
         k = sweep.blocks[index]
         if k is None:
             # the guardrail's baseline for the refit to come is this stretch, not what ran
@@ -476,7 +490,7 @@ class ClosedLoop:
         """Send the agent's desired table if it is not the one the engines were sent."""
         desired = self.agent.desired()
         version = 0 if desired is None else desired.version
-        if version == self._active_version and self._forcing is None:
+        if version == self._active_version:
             return
         if desired is not None and not self._muted:
             self.channel.send(desired)

@@ -22,7 +22,7 @@ from controller.loop import ClosedLoop, Fit
 from controller.loop_config import LoopConfig
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
-from schemas import DraftTable, TableEnvelope, TableKey
+from schemas import DraftTable, EnvelopeError, TableEnvelope, TableKey
 from tabletune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class KeyStart:
     startup_table: DraftTable
     current: TableEnvelope | None = None
     newest_version: int = 0
+    announced: bool = True
+    """False while limits and startup table are only guessed from an envelope."""
 
 
 @dataclass
@@ -69,6 +71,7 @@ class ControlService:
         """What is known of each key before its loop starts (limits, the topic's state)."""
         self.unserved_records = 0
         """Telemetry of keys whose limits are not known yet (no `started`, no envelope)."""
+        self._history: dict[TableKey, list[pa.Table]] = {}
 
     # ---- what the fleet says --------------------------------------------------------------
     def engine_started(self, key: TableKey, limits: EngineLimits,
@@ -77,13 +80,13 @@ class ControlService:
         if not self._serves(key) or key in self.keys:
             return
         known = self.starts.get(key)
-        if known is not None:
+        if known is not None and known.announced:
             limits = EngineLimits(key, known.limits.startup_k_values & limits.startup_k_values,
                                   min(known.limits.max_batch, limits.max_batch))
-            self.starts[key] = KeyStart(limits, known.startup_table, known.current,
-                                        known.newest_version)
-        else:
-            self.starts[key] = KeyStart(limits, startup_table)
+            startup_table = known.startup_table
+        current = None if known is None else known.current
+        newest = 0 if known is None else known.newest_version
+        self.starts[key] = KeyStart(limits, startup_table, current, newest)
 
     def table_seen(self, envelope: TableEnvelope, now_s: float | None = None) -> None:
         """An envelope on the tables topic (ours read back, an operator's, an old one)."""
@@ -104,23 +107,46 @@ class ControlService:
         startup = known.startup_table if known is not None else DraftTable.from_vllm(
             [[1, envelope.max_batch, min(envelope.startup_k_values)]])
         self.starts[key] = KeyStart(limits, startup, current,
-                                    max(current.version, known.newest_version if known else 0))
+                                    max(current.version, known.newest_version if known else 0),
+                                    announced=known.announced if known is not None else False)
 
-    def records(self, records: pa.Table) -> None:
-        """Telemetry from any engines of any keys; kept per key until that key's next tick."""
+    def history(self, records: pa.Table) -> None:
+        """Telemetry from before the service started (a restart's lookback): for the fits
+        of each key's loop, never for its clock, guardrail or drift detector."""
+        for key, rows in self._by_key(records):
+            served = self.keys.get(key)
+            if served is not None:
+                served.loop.preload(rows)
+            else:
+                self._history.setdefault(key, []).append(rows)
+
+    def _by_key(self, records: pa.Table) -> list[tuple[TableKey, pa.Table]]:
         if records.num_rows == 0:
-            return
+            return []
         keys = pc.unique(pc.binary_join_element_wise(
             records.column("model"), records.column("drafter"), records.column("hardware"),
             "|")).to_pylist()
+        out = []
         for text in keys:
-            key = TableKey.parse(text)
+            try:
+                key = TableKey.parse(text)
+            except EnvelopeError:  # a field with '|': no table can be keyed by it
+                self.unserved_records += records.num_rows
+                continue
             if not self._serves(key):
+                continue
+            if len(keys) == 1:
+                out.append((key, records))
                 continue
             mask = pc.and_(pc.and_(pc.equal(records.column("model"), key.model),
                                    pc.equal(records.column("drafter"), key.drafter)),
                            pc.equal(records.column("hardware"), key.hardware))
-            rows = records if len(keys) == 1 else records.filter(mask)
+            out.append((key, records.filter(mask)))
+        return out
+
+    def records(self, records: pa.Table) -> None:
+        """Telemetry from any engines of any keys; kept per key until that key's next tick."""
+        for key, rows in self._by_key(records):
             served = self.keys.get(key) or self._start(key, rows)
             if served is None:
                 self.unserved_records += rows.num_rows
@@ -167,9 +193,10 @@ class ControlService:
         loop = ClosedLoop(self.channel_for(key), known.limits, status, self.fit, self.config,
                           startup_table=known.startup_table, current=known.current,
                           newest_version=known.newest_version)
-        # the newest step: records read back from before the service started are history
-        # for fits, not time a profile's blocks could have run in
+        # the newest live step: the lookback's older steps came in through `history`
         start_s = float(pc.max(records.column("ts_ns")).as_py()) / 1e9
+        for rows in self._history.pop(key, []):
+            loop.preload(rows)
         loop.start(start_s)
         log.info("serving %s from %.1f s (%s)", key, start_s, loop.state.value)
         served = self.keys[key] = _Key(loop)

@@ -39,8 +39,10 @@ class TopicLayout:
     def new_topics(self) -> list[NewTopic]:
         return [
             NewTopic(self.names.telemetry, self.telemetry_partitions, 1),
-            # Readers keep the newest version per key themselves; compaction is a bonus.
-            NewTopic(self.names.tables, 1, 1, topic_configs={"cleanup.policy": "compact"}),
+            # Kept whole: controls share their key with the envelopes, so a compacted log
+            # would keep only a key's last record (a release, say) and lose its tables.
+            NewTopic(self.names.tables, 1, 1, topic_configs={"cleanup.policy": "delete",
+                                                            "retention.ms": "-1"}),
             NewTopic(self.names.status, 1, 1),
             NewTopic(self.names.dlq, 1, 1),
         ]

@@ -68,8 +68,8 @@ def register(commands: Any) -> None:
                        help="serve this key alone (default: every key whose engines announce "
                        "themselves)")
     serve.add_argument("--lookback-s", type=float, default=180.0,
-                       help="telemetry read at start-up from this many seconds back "
-                       "(default 180)")
+                       help="telemetry from this many seconds before start-up, for the "
+                       "first fits only (default 180; 0: only new steps)")
     serve.add_argument("--canary-share", type=float, default=0.25,
                        help="share of a key's engines a re-profile forces, at least one "
                        "(default 0.25)")

@@ -35,7 +35,6 @@ from schemas import DraftTable, TableKey
 from tabletune.settings import Settings
 from tabletune.vllm_compat import check_with_vllm
 
-
 MIN_FRAME_INTERVAL_S = 0.02
 """Wall seconds between an engine's telemetry frames at most speedups: below this, Kafka
 messages per second, not the engines, would fill the machine."""

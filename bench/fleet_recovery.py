@@ -37,12 +37,7 @@ from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
 from tabletune.broker import EmbeddedBroker
 from tabletune.settings import Settings
-from tabletune.twin_fleet import Fleet, FleetConfig
-
-
-def _nth(scenario: Scenario, index: int) -> Scenario:
-    engine = dataclasses.replace(scenario.engine, engine_id=f"{scenario.engine.engine_id}-{index}")
-    return dataclasses.replace(scenario, engine=engine, seed=scenario.seed + index)
+from tabletune.twin_fleet import Fleet, FleetConfig, engine_scenario
 
 
 def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
@@ -112,7 +107,7 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
     base = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS / name), seed=seed)
     with tempfile.TemporaryDirectory() as work:
         fleet, decisions, epoch_s = run_production(base, engines, speedup, Path(work))
-    scenarios = [_nth(base, i) for i in range(engines)]
+    scenarios = [engine_scenario(base, i) for i in range(engines)]
     summaries = [fleet["engines"][s.engine.engine_id] for s in scenarios]
     fixed = [{k: run_scenario(s, FixedK(k)) for k in range(s.engine.max_k + 1)}
              for s in scenarios]
@@ -122,7 +117,7 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
         in_memory.append(run_scenario(s, policy))
         policy.close()
     rows = []
-    for index, phase in enumerate(summaries[0]["phases"][1:], start=1):
+    for phase in summaries[0]["phases"][1:]:
         start, end = phase["start_s"] + SETTLE_S, phase["end_s"]
         stale = table_at(decisions, epoch_s, phase["start_s"])
         if stale is None:
@@ -147,16 +142,12 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
             "fleet_recovery": round((fleet_rate - stale_rate) / loss, 3) if loss > 0 else None,
             "in_memory_recovery": round((memory_rate - stale_rate) / loss, 3)
             if loss > 0 else None,
-            "canary": canary_cost(fleet, decisions, epoch_s, fleet_phase(summaries, index)),
+            "canary": canary_cost(fleet, decisions, epoch_s, phase),
             "stale_events": sum(1 for d in decisions if d["what"] == "stale"),
             "versions": sorted({d["version"] for d in decisions if d["what"] == "stage"}),
         })
     return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
             "phases": rows}
-
-
-def fleet_phase(summaries: list[dict[str, Any]], index: int) -> dict[str, Any]:
-    return summaries[0]["phases"][index]
 
 
 def markdown(results: list[dict[str, Any]]) -> str:

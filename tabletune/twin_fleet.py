@@ -88,7 +88,7 @@ class Fleet:
     def start(self) -> Fleet:
         check_with_vllm(VLLM_DOC_TABLE)  # vLLM's validator imports in seconds: not mid-run
         epoch_s = time.time()
-        self.engines = [_FleetEngine(_nth(self.scenario, i), self.settings, self.config,
+        self.engines = [_FleetEngine(engine_scenario(self.scenario, i), self.settings, self.config,
                                      epoch_s) for i in range(self.config.engines)]
         self._threads = [threading.Thread(target=run.run, name=f"twin-{i}", daemon=True)
                          for i, run in enumerate(self.engines)]
@@ -117,7 +117,8 @@ def run_fleet(scenario: Scenario | str | Path, settings: Settings,
     return Fleet(scenario, settings, config).start().join()
 
 
-def _nth(scenario: Scenario, index: int) -> Scenario:
+def engine_scenario(scenario: Scenario, index: int) -> Scenario:
+    """What fleet engine `index` runs: the scenario at seed + index, engine id `<id>-<index>`."""
     engine = dataclasses.replace(scenario.engine, engine_id=f"{scenario.engine.engine_id}-{index}")
     return dataclasses.replace(scenario, engine=engine, seed=scenario.seed + index)
 

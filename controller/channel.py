@@ -41,11 +41,8 @@ class InMemoryChannel:
 
     def __init__(self, feeds: list[EngineFeed] | None = None) -> None:
         self.feeds = list(feeds or [])
-        self.log: list[Message] = []
-        """Every message sent, in order (the topic's log)."""
 
     def send(self, message: Message) -> None:
-        self.log.append(message)
         for feed in self.feeds:
             feed.handle(message)
             feed.sync()

@@ -116,7 +116,12 @@ def run_control_service(args: argparse.Namespace) -> int:
     served = {str(loop.limits.key): {"state": loop.state.value,
                                      "version": loop.agent.state.newest_version}
               for loop in runner.service.loops()}
-    print(json.dumps({"records": runner.records, "bad_frames": runner.bad_frames,
+    print(json.dumps({"records": runner.records, "history_records": runner.history_records,
+                      "unserved_records": runner.service.unserved_records,
+                      "bad_frames": runner.bad_frames,
+                      "send_errors": sum(c.errors for c in runner.channels.values()),
+                      "unsent": sum(c.unsent for c in runner.channels.values()),
+                      "dropped_unsent": sum(c.dropped for c in runner.channels.values()),
                       "keys": served}))
     return 0
 

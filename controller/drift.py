@@ -50,18 +50,16 @@ class DriftState(enum.Enum):
 class DriftConfig:
     window_s: float = 60.0
     """Sliding window over which residuals are averaged. A minute, because a closed loop's
-    acceptance wanders with the few requests that dominate it: under n-gram, 20 s of the
-    same chat traffic accept 0.54 to 0.92 tokens per draft step (twin, ShareGPT). A switch
-    of workload is a lasting shift and still shows within a minute."""
+    acceptance wanders with the few requests that dominate it; a switch of workload is a
+    lasting shift and still shows within a minute."""
     reference_s: float = 20.0
     """Residuals over this long after a table becomes active are its misfit reference."""
     warmup_s: float = 2.0
     latency_threshold: float = 0.20
-    """Relative latency change (beyond the reference) that makes a table stale. Latency is a
-    proxy: a uniform slowdown leaves the best K where it was, and the contexts of a load
-    that just grew (requests still young) or of longer prompts move it by 10-20% while the
-    table stays right (twin, EAGLE 8 -> 64 users and context growth 4x: the best K is the
-    same before and after). At 10% those re-profiles cost more than they found."""
+    """Relative latency change (beyond the reference) that makes a table stale. High, because
+    latency is a proxy: a uniform slowdown leaves the best K where it was, and the contexts
+    of a load that just grew (requests still young) or of longer prompts move it while the
+    table stays right."""
     acceptance_threshold: float = 0.15
     coverage_threshold: float = 0.5
     """Share of steps outside the fitted batch range that makes a table stale."""
@@ -72,32 +70,22 @@ class DriftConfig:
     """A table whose own reference misses its prediction by this many thresholds is stale
     from the start (see `DriftDetector._misfit_report`); below that the miss is the fit's
     bias, learned as the reference. One threshold: a miss as large as a drift is one (a
-    re-profile that straddled a workload switch fitted the old workload and misses
-    acceptance by 40-70%; a first table from a cold profile's 2 s blocks missed by 14% and
-    its re-profile mended it, twin EAGLE seed 14)."""
+    re-profile that straddled a workload switch fitted the old workload)."""
     confirmed_misfit_factor: float = 1.5
     """The same for the table fitted at the end of a re-profile whose confirmation ran its
     K values steadily (`set_envelope(confirmed=True)`): their yield was measured, not
-    extrapolated, and what is left of a miss is the closed loop's wander over the 20 s
-    reference. Those refits miss acceptance by a log sd of 0.066 around +0.01, out to 16%
-    (twin, n-gram switches, seeds 1-40, 83 refits); at one threshold 3 of the 83 were
-    called stale 22 s after their swap and re-profiled inside the phase, at 1.5 (22.5%,
-    three sd) none. Before the prediction carried the composition factor
-    (`drafting_request_tokens`; then a sustained-yield line) those fits missed by -4% on
-    average, out to -22%: 1.5 would have left the largest of them stale."""
+    extrapolated, and what is left of a miss is the closed loop's wander over the
+    `reference_s` reference, which one threshold mistakes for a drift."""
     after_sweep_s: float = 180.0
     after_sweep_factor: float = 2.0
     """For `after_sweep_s` after a sweep over every K measured the regime (`after_sweep`),
     the acceptance signal must pass this many thresholds (1.0: no stricter period). The
-    table was fitted on that sweep minutes ago, and its reference is 20 s of a closed loop
-    whose acceptance wanders with the few requests that dominate it: under n-gram, 20 s
-    windows of unchanged code traffic at a fixed K spread by 6-7% (twin), and a 15% shift
-    of the minute window against the reference came up in 7 of 40 phases within three
-    minutes of a re-profile, each starting another (1-2% of those minutes). A real workload
-    switch moves acceptance by 30-45%. Latency and coverage keep their bars: a load jump
-    right after a re-profile shows there first. The misfit check keeps its own factors
-    (`misfit_factor`, `confirmed_misfit_factor`): a table that a re-profile straddling a
-    switch fitted misses its own prediction by 40-70% from the start."""
+    table was fitted on that sweep minutes ago, and its reference is `reference_s` of a
+    closed loop whose acceptance wanders with the few requests that dominate it: at one
+    threshold that wander starts needless re-profiles, while a real workload switch passes
+    two with room. Latency and coverage keep their bars: a load jump right after a
+    re-profile shows there first. The misfit check keeps its own factors (`misfit_factor`,
+    `confirmed_misfit_factor`)."""
     z: float = 5.0
     min_steps: int = 200
     renotify_s: float = 60.0
@@ -132,11 +120,9 @@ def drafting_request_tokens(surface: Mapping[str, Any], column: int) -> float:
     decode request (1 + s (AL - 1) c(K)) and draft share s.
 
     The pooled acceptance length AL alone leaves out the batch-composition factor c(K)
-    (`fitter.surface.composition`), which under n-gram falls steeply with K: a table at K7
-    after a re-profile centred near K4 accepted 13-20% less than AL said from its first
-    steps (twin, n-gram code, 6 of 80 phases), the misfit check called it stale 22 s after
-    the swap, and a second re-profile ran inside the phase. Envelopes without the fields
-    fall back to AL."""
+    (`fitter.surface.composition`), which under n-gram falls steeply with K, so a sound
+    table at a large K would miss AL from its first steps and the misfit check would call
+    it stale. Envelopes without the fields fall back to AL."""
     pooled = float(surface["acceptance_length"][column])
     tokens = surface.get("tokens_per_request")
     share = surface.get("draft_share")

@@ -11,10 +11,9 @@ one step in `period` is a probe, whatever the batch sizes visited. A batch size 
 candidate in the plan falls back to the table's neighbours (K+1, K-1) when `neighbours` is
 on, so a drift toward another K is seen even where the fit was sure. There only one due
 turn in `neighbour_every` probes (`neighbour_fraction` of the share): the fit has said no
-other K is likely to win, and each probe of a worse K is goodput lost (twin, EAGLE at 64
-users on K3: K2 and K4 run 1.7% and 1.1% below it, so 2% of steps on them cost about 0.03%
-of the phase). Probe steps are marked `forced` in telemetry (`TableSwitch.step_forced`), so
-guardrail and drift statistics can leave them out while the fitter still learns from them.
+other K is likely to win, and each probe of a worse K is goodput lost. Probe steps are
+marked `forced` in telemetry (`TableSwitch.step_forced`), so guardrail and drift statistics
+can leave them out while the fitter still learns from them.
 """
 
 from __future__ import annotations

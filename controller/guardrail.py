@@ -13,7 +13,7 @@ table's time share, so the verdict is about the traffic the engine actually serv
 
 Time blocks, not steps, set the error. Consecutive steps serve the same requests, and which
 requests a closed loop holds drifts over a request's lifetime (seconds, tens of seconds for
-long chats): 8 s of n-gram chat vary by 3% while their steps look like a 0.3% estimate.
+long chats), so a few seconds of goodput vary far more than their steps' own error says.
 So the log goodput of `block_s` blocks is compared around each window's mean, pooled over
 both windows, and a window's error is the larger of that and the per-step delta method.
 
@@ -76,7 +76,7 @@ class GuardrailConfig:
     warmup_s: float = 10.0
     """Steps right after the swap are skipped: a closed loop's batch holds the requests the
     old table served slowly until they finish, and at the new table's K it first shows that
-    batch (n-gram chat: the new table looks 5-9% worse than it is for ~10 s)."""
+    batch, on which the new table looks worse than it is."""
     min_steps_per_bucket: int = 100
     """A bucket counts only with this many steps in both windows."""
     max_watch_s: float = 300.0
@@ -89,22 +89,17 @@ class GuardrailConfig:
     prior_variance_s: float = 0.015
     """Prior of that spread, as the variance of log goodput times seconds (0.015: 5 s vary
     by 5.5%, 12 s by 3.5%), worth `prior_dof` blocks: right after a swap a window has a
-    block or two, too few to say how much goodput wanders. Under n-gram 12 s of unchanged
-    code edits vary by 2%, but a swap after a re-profile compared then with 8 s of the stale
-    table right after forced blocks, and at 0.005 4 of 80 such swaps (twin, n-gram switches,
-    40 seeds) were rolled back at 0.89-0.91 of a baseline they matched, to the stale
-    table. The planted K=7 table (0.82 of its baseline) is rolled back as fast."""
+    block or two, too few to say how much goodput wanders. Wide enough that a re-profile's
+    sound pick is not rolled back on a short baseline's wander; a far worse table still is,
+    promptly."""
     prior_dof: float = 2.0
     drift_level_sd: float = 0.04
     """Added (as a standard deviation of log goodput) to the error of a swap armed
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
     settling stretch, the one window of it in the new regime. Between that and the watch the
-    traffic's own wander moves goodput by a level that no watch length averages away (twin,
-    n-gram chat, seed 55, against the baseline block used then: first-position acceptance 0.40
-    in it and 0.26 ten seconds after it, at one table). Without it, 3 of 120 n-gram re-profile
-    picks (seeds 1-60) were rolled back (seeds 46 and 55 at 0.89 and 0.85 of such a crest) to
-    the table the detector had just called stale, and a second re-profile followed. With 0.04
-    the stale table comes back only for a pick worse by more than about 14%. 0 = compare as any
+    traffic's own wander moves goodput by a level that no watch length averages away, and
+    without it a sound pick is rolled back to the table just called stale. With 0.04 the
+    stale table comes back only for a pick worse by more than about 14%. 0 = compare as any
     other swap."""
 
     def __post_init__(self) -> None:

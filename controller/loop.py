@@ -9,28 +9,30 @@ restores the previous table; the `DriftDetector` emits `stale` and starts a re-p
 is whatever the records say (telemetry time; virtual time in the twin), so the loop runs at
 any speed; every wait is a deadline on that clock.
 
-The re-profile after `stale`, and why each part. The drift shows while the old traffic's
-requests still run, so the stale table first runs on for `reprofile_settle_s`. Short blocks
-at every K, up and back down, then measure what live steps censor (acceptance beyond the
-table's K, the cost of every K at the new load); a fit of them picks a K, and that K and its
-neighbours run for long blocks in mirrored order (a, b, c, c, b, a): which requests a closed
-loop holds, and so what a K really emits per step, settles only over a request's lifetime,
-and between neighbouring K that is what decides. The refit at its end fits the step models
-on the confirmation's runs alone (the sweep's 1 s blocks read the larger K's tokens per step
-0.5-2% high) and prices each K at the context its own batch would hold, from every request
-that finished during the re-profile (`fitter.surface.context`: a closed loop at a larger K
-holds 4-6% less context per request under n-gram, 2-3% more under EAGLE). It is published at
-once, under a guardrail watch whose baseline is the settling stretch (the stale table's one
-unforced run in the new regime). It used to wait for a warm and a baseline block
-of the stale table after the confirmation: 14 s more of the stale table, whose batch the new
-table then had to drain inside the phase's measured window (twin, EAGLE 8 -> 64 users: 0.05%
-of the phase after its first two minutes). If the load at the confirmation's end is far off
-the sweep's, or the first position's acceptance in its last run off its first run's (the
-same K), the K values confirmed came from another regime and the re-profile starts again,
-once. About 60 s in all (`LoopConfig`), paid once per drift; so the drift detector's
-window is long enough that the workload's own wander does not start one, and for three
-minutes after a sweep it asks acceptance for twice the shift
-(`DriftConfig.after_sweep_factor`).
+The re-profile after `stale`, and why each part (lengths in `LoopConfig`, measurements in
+docs/TUNING.md):
+
+- settle: the drift shows while the old traffic's requests still run, so the stale table
+  runs on for `reprofile_settle_s`; that stretch, its one unforced run in the new regime, is
+  the guardrail's baseline for the table the re-profile ends with;
+- sweep: short blocks at every K, up and back down, measure what live steps censor
+  (acceptance beyond the table's K, the cost of every K at the new load);
+- confirmation: the K a fit of the sweep picks and its neighbours run for long blocks in
+  mirrored order (a, b, c, c, b, a), because which requests a closed loop holds, and so what
+  a K really emits per step, settles only over a request's lifetime, and between
+  neighbouring K that is what decides;
+- refit: the step models fit the confirmation's runs alone (the sweep's short blocks
+  overrate the larger K's tokens per step), each K is priced at the context its own batch
+  would hold, from every request that finished during the re-profile
+  (`fitter.surface.context`); the table is published, under a guardrail watch, as soon as
+  the confirmation ends (more of the stale table would leave the new one its batch to
+  drain);
+- restart, once: if the load, or the first position's acceptance at one K, moved during the
+  confirmation, the K values it ran came from another regime.
+
+About 60 s in all, paid once per drift; so the drift detector's window is long enough that
+the workload's own wander does not start one, and for three minutes after a sweep it asks
+acceptance for twice the shift (`DriftConfig.after_sweep_factor`).
 """
 
 from __future__ import annotations
@@ -324,20 +326,15 @@ class ClosedLoop:
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _regime_moved(self, sweep: Sweep, now_s: float) -> bool:
-        """Whether the regime moved under the re-profile: the load (median batch size) at its
-        end off the sweep's by the drift detector's coverage factor, or the acceptance of
-        the first draft position in the confirmation's last run off its first run's (the
-        same K) by `LoopConfig.regime_acceptance_factor` acceptance thresholds. The
-        confirmation then ran the K values a sweep of another regime pointed to (twin,
-        EAGLE 8 -> 64 users in the middle of a re-profile: K5-7 confirmed, K5 kept at 64
-        users where K3 is best, 4% lost for the next minutes; n-gram, a re-profile started
-        on chat that confirmed K1-3 on code). Acceptance is compared at one K because which
-        requests a batch holds, and so what its first position accepts, follows the K run
-        over the last seconds: the last run against the sweep (1 s blocks on the stale
-        table's batch) restarted 13 of 80 re-profiles after n-gram code -> chat and cost
-        them 0.08% of the phase (twin, seeds 1-80); first run against last, 2. A switch
-        inside the sweep itself is left to the drift detector, which calls the refit's
-        table stale against its own prediction. Once per re-profile."""
+        """Whether the regime moved under the re-profile, so that its confirmation ran the K
+        values a sweep of another regime pointed to: the load (median batch size) at its end
+        off the sweep's by the drift detector's coverage factor, or the first draft
+        position's acceptance in the confirmation's last run off its first run's (the same
+        K) by `LoopConfig.regime_acceptance_factor` acceptance thresholds. Compared at one K,
+        not against the sweep, because which requests a batch holds, and so what its first
+        position accepts, follows the K run over the last seconds. A switch inside the sweep
+        itself is left to the drift detector, which calls the refit's table stale against
+        its own prediction. Once per re-profile."""
         if sweep.restarted or sweep.confirm_started_s is None:
             return False
         records = self._window(now_s, since_s=sweep.records_from_s)
@@ -346,8 +343,8 @@ class ClosedLoop:
         seconds = records.column("ts_ns").to_numpy() / 1e9
         before = seconds < sweep.confirm_started_s
         run_s = self.config.confirm_block_s
-        # the load from the last run's last quarter: a jump in its last seconds (EAGLE
-        # 8 -> 64 users 3 s before the refit) would not move the median of all of it
+        # the load from the last run's last quarter: a jump in its last seconds would not
+        # move the median of all of it
         latest = seconds >= now_s - run_s / 4
         batch = records.column("batch_size").to_numpy()
         if before.sum() < 100 or latest.sum() < 50:
@@ -394,9 +391,9 @@ class ClosedLoop:
         the confirmation's batches were fitted on). `steps_since_s`: the step models fit
         only the steps from there on, and the requests that finished since
         `records_since_s` price each K's context (a re-profile's end: its sweep's 1 s
-        blocks show each K on the batch the K before it left behind, and read the larger
-        K's tokens per step 0.5-2% high, but every request it saw finish says what it
-        needs at each K)."""
+        blocks show each K on the batch the K before it left behind, and overrate the larger
+        K's tokens per step, but every request it saw finish says what it needs at each
+        K)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
         started = self.guardrail.watch_started_s

@@ -15,8 +15,7 @@ def first_position_acceptance(records: pa.Table, mask: np.ndarray,
     fewer than `min_drafts`): every drafting step drafts a first position, so unlike
     accepted tokens per draft it is not cut off by K and compares steps that ran different
     K. Not free of K: at a larger K a closed loop's batch holds fewer well-accepting
-    requests (twin, n-gram chat at a fixed K: 0.40 at K1, 0.28 at K3, 0.21 at K7), so only
-    large gaps between it at different K say that the workload moved."""
+    requests, so only large gaps between it at different K say that the workload moved."""
     drafts = records.column("num_drafts").to_numpy().astype(np.float64)
     chosen = mask & (drafts > 0)
     if drafts[chosen].sum() < min_drafts:
@@ -30,9 +29,7 @@ def confirmation_k_values(k_values: tuple[int, ...], chosen: int,
                           width: int = 3) -> tuple[int, ...]:
     """The `width` neighbouring K values of `k_values` around the sweep's pick `chosen`,
     shifted inward at either end of the set rather than cut short: the short sweep's pick is
-    one K off often enough that the best K must be able to lie on either side of it (twin,
-    n-gram code: the sweep pointed to K7, so only K6 and K7 ran and K6 was kept where K5 is
-    0.3-0.8% better; 6 of 40 seeds)."""
+    one K off often enough that the best K must be able to lie on either side of it."""
     at = k_values.index(chosen)
     first = max(0, min(at - width // 2, len(k_values) - width))
     return k_values[first:first + width]

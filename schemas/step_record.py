@@ -44,11 +44,10 @@ what vLLM then trims) and `context_tokens` sums its context over them.
 Why per request, by segment. In a closed loop a request holds its slot for as many steps as
 it needs, so which requests (and which parts of them) a batch holds moves with K: under
 n-gram a larger K drains the long, well-accepting requests faster and the batch's context
-falls 4-6% (twin, SpecDecode-Bench traces); under EAGLE it rises 2-3%. Step records only
-show the batch that was; these sums let the fitter weigh each request by the steps it would
-need at any K (`fitter.surface.context`). Segments carry the trend within one request:
-acceptance grows with what has been generated (n-gram chat: 1.3 tokens per step at K3 in
-the first hundred tokens, 2.3 after a thousand)."""
+falls; under EAGLE it rises. Step records only show the batch that was; these sums let the
+fitter weigh each request by the steps it would need at any K (`fitter.surface.context`).
+Segments carry the trend within one request: acceptance grows with what has been generated
+(magnitudes in docs/TUNING.md)."""
 
 SCHEMA_VERSION_METADATA_KEY = b"tabletune.schema_version"
 

@@ -6,8 +6,8 @@ need many steps. A larger K shortens the well-accepting requests (copy-heavy cod
 under n-gram) far more than the others, so at a larger K the batch holds fewer of them and
 every position accepts less; at a smaller K, more. What a sweep measures at each position is
 the acceptance of the batch the engine had then, and chaining positions measured on one K's
-batch predicts the other K's steady yield badly (`bench/steady_yield.py`, n-gram: off by
-0.2-0.5 of the sweep K's accepted tokens per request, the wrong K picked in 9 of 9 cases).
+batch predicts the other K's steady yield badly (`bench/steady_yield.py` measures both; the
+numbers are in docs/TUNING.md).
 
 The model. Requests differ in how well their drafts are accepted: a request of rate a
 accepts position i with probability a^i, so it emits tau(a, K) = 1 + a + ... + a^K tokens
@@ -24,11 +24,6 @@ with K_i the K that shaped that batch (`telemetry.composition_by_position`: the 
 for, lagged by a request's lifetime). Multiplied out, sum_j f_j (q_i - a_j^i) / tau_j(K_i)
 = 0 is linear in f, so f is one non-negative least-squares solve with the shares summing
 to one. Seven positions pin down a few atoms of f, which is all the harmonic mean needs.
-
-Measured (`bench/steady_yield.py`, one 14 s sweep against each K run for 140 s, twin): the
-predicted yield of every K relative to the sweep's K is within 0.01-0.07 of the truth and
-picks the best K in 11 of 12 cases (n-gram chat, code and chat after code; EAGLE at 64
-users), against 3 of 12 for the pooled chain.
 
 Where it is wrong: when requests do not differ (every request accepts alike, as in
 `fitter.surface.synthetic`), it still reads the curvature of q_i as a spread of rates and
@@ -116,10 +111,8 @@ class CompositionModel(BaseEstimator):
         A request that proposes no draft (n-gram without a match) is one that would accept
         nothing there, so the non-drafting share is taken to follow the mixture's rejection
         at position 1. A larger K drains the well-accepting requests faster and leaves more
-        of those that rarely match: twin, n-gram code at 48 users, 0.667 of the decode
-        requests drafted at K4 and 0.651 at K5, which this puts at 0.651 from a fit on the
-        K4 batch. Fewer drafts verified is a faster step, which a share held at the
-        observed one charges the larger K for (about 0.5% of its step there)."""
+        of those that rarely match, and fewer drafts verified is a faster step, which a
+        share held at the observed one would charge the larger K for."""
         check_is_fitted(self, "arrival_share_")
         ks = np.asarray(k, dtype=np.float64).reshape(-1)
         if self.first_position_shaped_k_ is None:

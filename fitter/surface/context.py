@@ -3,9 +3,8 @@
 Why the step records' context is not enough. A request holds its batch slot for as many steps
 as it needs, so the batch over-represents the requests (and the parts of them) that need
 many steps, and a K changes which those are. Under n-gram the long requests accept well: a
-larger K drains them faster and the batch's context per request falls (twin, SpecDecode-Bench
-ShareGPT at 48 users: 5.9% less at K3 than at K2). Under EAGLE it is the short ones, and the
-context rises (2-3% at K4 against K3). Priced at one pooled context, the larger K's step is
+larger K drains them faster and the batch's context per request falls. Under EAGLE it is the
+short ones, and the context rises. Priced at one pooled context, the larger K's step is
 overpriced on n-gram and underpriced on EAGLE, and between neighbouring K that decides.
 
 The model. Each finished request's decode steps are summed per segment of its generation
@@ -17,11 +16,8 @@ own and that towards the pool's (`prior_strength` pseudo-steps each), so a thinl
 segment borrows from its request. At steady K it needs tokens / tau(K) steps, and the batch
 holds it in that proportion, so each K's context per request is the steps-weighted mean of
 the segments' mean contexts. `predict(K)` is that over the mean the telemetry's own batches
-held (weighted by the steps they took): a factor on the context the surface is priced at.
-
-Measured (twin, one seed, fixed-K runs of 3 minutes): from the K3 run's requests the factor
-predicts K2's context at 0.9408 of K3's against 0.9409 (n-gram chat; 0.9492 without
-segments); from a K4 run, K3's at 1.0185 against 1.0104 (EAGLE, 64 users).
+held (weighted by the steps they took): a factor on the context the surface is priced at
+(how well it predicts another K's context: docs/TUNING.md).
 
 X layout (one row per request segment): `CONTEXT_COLUMNS` then `reached_1..P`, then
 `accepted_1..P`.

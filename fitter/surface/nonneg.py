@@ -64,8 +64,7 @@ def robust_relative_nnls(
     `penalty` rows (already scaled) are appended unweighted to every solve: they express
     smoothness between neighbouring hinge slopes and keep empty segments from collapsing.
     BLAS runs single-threaded here: the products are tall and skinny (cells x ~35), threads
-    gain nothing on them and spin-wait badly when the fitter shares its cores (20x slower
-    measured on a loaded 2-core machine).
+    gain nothing on them and spin-wait badly when the fitter shares its cores.
     """
     with threadpool_limits(limits=1, user_api="blas"):
         return _robust_relative_nnls(design, target, sample_weight, penalty=penalty,

@@ -212,7 +212,7 @@ def context_by_batch(frame: pl.DataFrame, weights: NDArray[np.float64],
 LIFETIME_WINDOW_S = 30.0
 """A request's lifetime in the batch is measured over the trailing 30 s of steps: long enough
 for a few hundred requests to leave a busy engine, short enough to follow a switch of workload
-(twin: 6.6 s for n-gram chat at 48 users, 1.9 s for code)."""
+(lifetimes are seconds)."""
 
 
 def batch_shaped_k(frame: pl.DataFrame) -> NDArray[np.float64]:
@@ -224,10 +224,10 @@ def batch_shaped_k(frame: pl.DataFrame) -> NDArray[np.float64]:
     constant is the lifetime (Little's law: requests in the batch over requests leaving it
     per second, over the trailing `LIFETIME_WINDOW_S`). Leaving, not arriving: when the load
     rises, a burst of fresh requests joins a batch none of whose requests has finished, and
-    arrivals would read that as a short lifetime and the batch as reshaped at once (twin,
-    `tabletune profile` on ShareGPT n-gram, whose cells raise the load: the K at 128 users fell
-    from K3 to K1, 4% off). Leaving is arrivals minus the batch's growth (a prompt split over
-    several steps counts once per step, which errs short). Each engine is lagged on its own.
+    arrivals would read that as a short lifetime and the batch as reshaped at once (a
+    profile's cells raise the load that way). Leaving is arrivals minus the batch's growth
+    (a prompt split over several steps counts once per step, which errs short). Each engine
+    is lagged on its own.
     """
     n = frame.height
     shaped = np.zeros(n)

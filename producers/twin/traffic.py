@@ -30,10 +30,11 @@ class Traffic:
         self.pick_rngs = rng.spawn(len(phases))
         """Which request arrives comes from its phase's own stream: under a closed loop a
         faster policy draws more requests in a phase, and with one shared stream every later
-        phase would then serve other requests than a slower policy's run does (0.6% sd per
-        seed over a 3-minute window run at the same K). Per phase, two policies' runs serve
-        the same requests in the same order from each phase's start (common random numbers:
-        a paired comparison of policies compares the policies, not the traffic)."""
+        phase would then serve other requests than a slower policy's run does, whose
+        goodput differs by itself (docs/TUNING.md sizes that noise). Per phase, two
+        policies' runs serve the same requests in the same order from each phase's start
+        (common random numbers: a paired comparison of policies compares the policies, not
+        the traffic)."""
         self.end_s = end_s
         self.starts = [0.0, *accumulate(p.duration_s for p in phases)][:-1]
         self.next_open_s = self._next_open_after(0.0)

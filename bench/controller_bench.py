@@ -335,11 +335,11 @@ def publish_latency(n: int = 30) -> dict[str, Any]:
     from controller.feed import TableFeed
     from controller.status import StatusPublisher
     from controller.table_log import publish
+    from controller.table_switch import TableSwitch
     from controller.validation import EngineLimits
-    from producers.table_switch import TableSwitch
     from schemas import TableKey
+    from schemas.settings import Settings
     from tabletune.broker import EmbeddedBroker
-    from tabletune.settings import Settings
 
     key = TableKey(model="bench", drafter="eagle", hardware="twin")
     startup = DraftTable.from_vllm([[1, 256, 3]])

@@ -18,12 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,38 +31,22 @@ from producers.twin import BUILTIN_SCENARIOS, FixedK, StaticTable, load_scenario
 from producers.twin.config import Scenario
 from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
+from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
-from tabletune.settings import Settings
+from tabletune.control_process import ControlProcess
 from tabletune.twin_fleet import Fleet, FleetConfig, engine_scenario
 
 
 def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
                    ) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
     """(the fleet's result, the control service's decisions, the fleet's epoch)."""
-    broker = EmbeddedBroker()
-    bootstrap = broker.start()
-    decisions = work / "decisions.jsonl"
-    log = work / "control.log"
-    env = {**os.environ, "TABLETUNE_BOOTSTRAP": bootstrap}
-    control = subprocess.Popen(
-        [sys.executable, "-m", "tabletune.cli", "--verbose", "control", "--decisions",
-         str(decisions)], env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text():
-            if time.monotonic() > deadline or control.poll() is not None:
-                raise RuntimeError(f"tabletune control did not start: {log.read_text()}")
-            time.sleep(0.2)
-        fleet = Fleet(scenario, Settings(bootstrap_servers=(bootstrap,)),
-                      FleetConfig(engines=engines, speedup=speedup)).start()
-        result = fleet.join()
-        epoch_s = fleet.engines[0].engine.epoch_s
-    finally:
-        control.send_signal(signal.SIGTERM)
-        control.wait(timeout=60)
-        broker.stop()
-    rows = [json.loads(line) for line in decisions.read_text().splitlines() if line]
-    return result, rows, epoch_s
+    with EmbeddedBroker() as broker:
+        env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap}
+        with ControlProcess(env, work) as control:
+            fleet = Fleet(scenario, Settings.from_env(env),
+                          FleetConfig(engines=engines, speedup=speedup)).start()
+            result = fleet.join()
+        return result, control.decisions(), fleet.epoch_s
 
 
 def table_at(decisions: list[dict[str, Any]], epoch_s: float, t_s: float

@@ -22,8 +22,8 @@ from kafka.admin import NewTopic
 from bench.common import emit
 from fitter.ingest import IngestConfig, Ingestor
 from schemas import encode_frame, records_to_table
+from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
-from tabletune.settings import Settings, TopicNames
 
 
 def synthetic_frames(total: int, engines: int, frame_records: int = 1024) -> list:

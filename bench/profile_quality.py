@@ -24,10 +24,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from bench.common import emit  # noqa: E402
-from fitter.profile import DEFAULT_BUDGET_S, profile  # noqa: E402
 from producers.twin import PhaseConfig, Scenario, run_scenario  # noqa: E402
 from producers.twin.config import CostConfig, DrafterConfig, EngineConfig  # noqa: E402
 from producers.twin.static import ngram_match_prob_for  # noqa: E402
+from tabletune.profile import DEFAULT_BUDGET_S, profile  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
 TRACES = ("sharegpt", "instructcoder", "gsm8k")

@@ -137,9 +137,9 @@ def _run_engine(args: argparse.Namespace, work: Path, pair: Any, spec: Any, key:
 
     from controller.table_log import publish
     from fitter.ingest import IngestConfig, Ingestor
-    from fitter.refit_loop import RefitJob, refit_once
     from schemas import TableKey
-    from tabletune.settings import Settings
+    from schemas.settings import Settings
+    from tabletune.fit_job import RefitJob, refit_once
 
     max_batch = max(args.concurrency)
     max_k = max(args.k)

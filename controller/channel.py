@@ -18,7 +18,7 @@ from kafka import KafkaProducer
 
 from controller.engine_feed import EngineFeed
 from schemas import TableControl, TableEnvelope
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

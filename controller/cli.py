@@ -12,8 +12,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from controller.table_log import control, publish, read_log, read_topic
 from schemas import EnvelopeError, TableControl, TableEnvelope, TableError, TableKey
-from tabletune.settings import Settings
-from tabletune.table_files import load_table_file
+from schemas.settings import Settings
+from schemas.table_files import load_table_file
 
 
 def register(commands: Any) -> None:

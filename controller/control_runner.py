@@ -27,6 +27,7 @@ from controller.channel import KafkaChannel
 from controller.loop_config import LoopConfig
 from controller.service import ControlService
 from controller.validation import EngineLimits
+from controller.vllm_compat import check_with_vllm
 from schemas import (
     DraftTable,
     EnvelopeError,
@@ -37,8 +38,7 @@ from schemas import (
     decode_frame,
     parse_table_message,
 )
-from tabletune.settings import Settings
-from tabletune.vllm_compat import check_with_vllm
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

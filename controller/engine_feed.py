@@ -16,8 +16,8 @@ from datetime import datetime
 from controller.agent import TableAgent
 from controller.exploration import ExplorationConfig, explorer_for
 from controller.status import StatusPublisher
+from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
-from producers.table_switch import TableSwitch
 from schemas import (
     DraftTable,
     EnvelopeError,

@@ -19,9 +19,9 @@ from controller.engine_feed import Clock, EngineFeed
 from controller.engine_watch import EngineWatch, TapSink
 from controller.exploration import ExplorationConfig
 from controller.status import StatusPublisher
+from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
-from producers.table_switch import TableSwitch
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from controller.loop_config import LoopConfig
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from schemas import DraftTable, EnvelopeError, TableEnvelope, TableKey
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

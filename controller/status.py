@@ -15,7 +15,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from schemas import (
     TableKey,
     parse_table_message,
 )
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from controller.vllm_compat import check_with_vllm
 from schemas import DraftTable, SignatureError, TableEnvelope, TableError, TableKey
-from tabletune.vllm_compat import check_with_vllm
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,7 @@ from fitter.dataset import (
 )
 from schemas import FrameError, decode_frame
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
-from tabletune.settings import Settings, SettingsError
+from schemas.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import pyarrow.ipc as ipc
 from kafka import KafkaProducer
 
 from schemas import Frame, encode_frame
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 

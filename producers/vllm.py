@@ -23,13 +23,13 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from controller.table_switch import StagedTable, TableSwitch
 from producers.identity import EngineIdentity, default_engine_id
 from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
-from producers.table_switch import StagedTable, TableSwitch
 from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
 from schemas import DraftTable, TableError, TableKey
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TableTuneHook:
                                              tap)
         if self._tt_recorder is None:
             return
-        from tabletune.metrics import engine_counters, serve_metrics
+        from producers.metrics import engine_counters, serve_metrics
         try:
             serve_metrics("engine", lambda: engine_counters(self._tt_recorder,
                                                             self._tt_switch, self._tt_feed),

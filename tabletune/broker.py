@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from tabletune.settings import TopicNames
+from schemas.settings import TopicNames
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from controller.vllm_compat import check_with_vllm
 from schemas import EnvelopeError, TableError
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
+from schemas.settings import ENV_VARS, Settings, SettingsError
+from schemas.table_files import load_table_file
 from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
-from tabletune.settings import ENV_VARS, Settings, SettingsError
-from tabletune.table_files import load_table_file
-from tabletune.vllm_compat import check_with_vllm
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,19 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo", help="run the whole system on this machine and write a report",
-        description="Embedded broker, a fleet of twin engines (EAGLE and n-gram groups), "
-        "telemetry to Kafka and Parquet, profile, first table, live traffic, a drift, "
-        "stale, refit, swap; then a comparison with fixed K and vLLM's example table. "
-        "Writes OUT/report.md with PNG plots. A few minutes on 2 cores.")
+        description="The production path on an embedded broker: `tabletune control` as a "
+        "child process, the ingest job writing Parquet, and a twin fleet (EAGLE and n-gram "
+        "groups, paced at 10x real time) whose tables come only from the tables topic: "
+        "cold profile, first table, a drift, stale, canary re-profile, new table. Then the "
+        "batch fit from the Parquet, and fixed K, vLLM's example table and the stale table "
+        "on the same traffic. Writes OUT/report.md with PNG plots. A few minutes on 2 "
+        "cores.")
     demo.add_argument("--out", default="demo-out", help="report folder (default demo-out)")
     demo.add_argument("--phase-s", type=float, default=300.0,
                       help="virtual seconds per traffic phase (default 300)")
-    demo.add_argument("--engines-per-group", type=int, default=2)
+    demo.add_argument("--engines-per-group", type=int, default=2,
+                      help="fleet engines per group (default 2; a re-profile forces one)")
     demo.set_defaults(handler=run_demo_command)
 
     from controller.cli import register as register_controller
-    from fitter.cli import register as register_fitter
     from producers.twin.cli import register as register_twin
+    from tabletune.fit_cli import register as register_fitter
     from tabletune.suite.cli import register as register_suite
 
     register_controller(commands)
@@ -204,6 +208,9 @@ def run_broker(args: argparse.Namespace) -> int:
 def run_demo_command(args: argparse.Namespace) -> int:
     from tabletune.demo import run_demo
 
+    # a 2-core machine running a broker, a control process and a fleet starves kafka-python's
+    # event loop now and then; its "task ran for 0.2 s" warnings would bury the demo's report
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     run_demo(Path(args.out), phase_s=args.phase_s, engines_per_group=args.engines_per_group)
     return 0
 
@@ -217,7 +224,7 @@ def run_ingest(args: argparse.Namespace) -> int:
         out_dir=Path(args.out), group_id=args.group, window_records=args.window_records,
         window_s=args.window_s, until_idle_s=args.until_idle, lag_wait_s=args.lag_wait,
         max_frame_bytes=args.max_frame_bytes, max_frame_records=args.max_frame_records))
-    from tabletune.metrics import serve_metrics
+    from producers.metrics import serve_metrics
     serve_metrics("ingest", lambda: {
         "records_total": ingestor.counters.records, "frames_total": ingestor.counters.frames,
         "files_total": ingestor.counters.files, "windows_total": ingestor.counters.windows,

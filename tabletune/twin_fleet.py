@@ -23,6 +23,7 @@ from controller.channel import clock_time
 from controller.feed import TableFeed
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
+from controller.vllm_compat import check_with_vllm
 from producers.identity import EngineIdentity
 from producers.recorder import RecorderConfig, StepRecorder
 from producers.sinks import KafkaSink
@@ -32,8 +33,7 @@ from producers.twin.run import build_engine, phase_spans
 from producers.twin.scenario_file import load_scenario
 from producers.twin.summary import summarize
 from schemas import DraftTable, TableKey
-from tabletune.settings import Settings
-from tabletune.vllm_compat import check_with_vllm
+from schemas.settings import Settings
 
 MIN_FRAME_INTERVAL_S = 0.02
 """Wall seconds between an engine's telemetry frames at most speedups: below this, Kafka
@@ -83,11 +83,13 @@ class Fleet:
                          else scenario)
         self.settings = settings
         self.engines: list[_FleetEngine] = []
+        self.epoch_s = 0.0
+        """Wall time of virtual second 0, set by `start`."""
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Fleet:
         check_with_vllm(VLLM_DOC_TABLE)  # vLLM's validator imports in seconds: not mid-run
-        epoch_s = time.time()
+        epoch_s = self.epoch_s = time.time()
         self.engines = [_FleetEngine(engine_scenario(self.scenario, i), self.settings, self.config,
                                      epoch_s) for i in range(self.config.engines)]
         self._threads = [threading.Thread(target=run.run, name=f"twin-{i}", daemon=True)
@@ -95,6 +97,15 @@ class Fleet:
         for thread in self._threads:
             thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
+    @property
+    def clock_s(self) -> float:
+        """The virtual time every engine has reached."""
+        return min((run.engine.clock_s for run in self.engines), default=0.0)
 
     def join(self) -> dict[str, Any]:
         for thread in self._threads:

@@ -10,8 +10,8 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
+from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
-from tabletune.settings import Settings, TopicNames
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

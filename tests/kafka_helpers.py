@@ -8,7 +8,7 @@ import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 
 from schemas import STEP_RECORD_SCHEMA, decode_frame
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 
 def read_telemetry(bootstrap: str, *, topic: str = "tabletune.telemetry",

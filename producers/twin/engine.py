@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controller.table_switch import TableSwitch
 from producers.recorder import RecorderConfig, StepRecorder
 from producers.request_ledger import RequestLedger
-from producers.table_switch import TableSwitch
 from producers.twin.batch import RunningBatch
 from producers.twin.config import Scenario, ScenarioError
 from producers.twin.cost import CostModel

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas import DraftTable, TableError
-from tabletune.table_files import load_table_file
+from schemas.table_files import load_table_file
 
 if TYPE_CHECKING:
     from producers.twin.engine import StepStats, TwinEngine

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from controller.table_switch import TableSwitch
 from producers.identity import EngineIdentity
 from producers.recorder import RecorderConfig, Sink, StepRecorder
 from producers.sinks import sink_from_url
-from producers.table_switch import TableSwitch
 from producers.twin.config import Scenario
 from producers.twin.engine import TwinEngine
 from producers.twin.policies import Policy, make_policy

@@ -21,18 +21,21 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from controller.channel import InMemoryChannel, clock_time
+from controller.engine_feed import EngineFeed
+from controller.exploration import ExplorationConfig
+from controller.guardrail import GuardrailConfig
+from controller.loop import ClosedLoop
+from controller.loop_config import LoopConfig
+from controller.service import ControlService
+from controller.status import StatusPublisher
+from controller.validation import EngineLimits
 from producers.identity import EngineIdentity
 from producers.recorder import StepRecorder
 from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
 from schemas import DraftTable, TableEnvelope, TableKey
 
 if TYPE_CHECKING:
-    from controller.channel import InMemoryChannel
-    from controller.engine_feed import EngineFeed
-    from controller.loop import ClosedLoop
-    from controller.loop_config import LoopConfig
-    from controller.service import ControlService
-    from controller.status import StatusPublisher
     from producers.twin.engine import StepStats, TwinEngine
 
 
@@ -77,8 +80,6 @@ class TabletunePolicy(Policy):
 
     def __init__(self, config: LoopConfig | None = None, *, tick_s: float = 1.0,
                  startup: DraftTable = VLLM_DOC_TABLE) -> None:
-        from controller.loop_config import LoopConfig  # the controller loads only when this runs
-
         self.config = config or LoopConfig()
         self.tick_s = tick_s
         self.startup = startup
@@ -115,11 +116,6 @@ class TabletunePolicy(Policy):
         self._planned.sort(key=lambda entry: entry[0])
 
     def start(self, engine: TwinEngine) -> None:
-        from controller.channel import InMemoryChannel, clock_time
-        from controller.engine_feed import EngineFeed
-        from controller.service import ControlService
-        from controller.status import StatusPublisher
-        from controller.validation import EngineLimits
         from fitter.derive import fit_table  # the fitter's heavy imports only when used
 
         scenario = engine.scenario
@@ -199,10 +195,6 @@ def _factory(arg: str | None) -> Policy:
     unknown = set(options) - {"explore", "refit", "threshold", "reprofile"}
     if unknown:
         raise PolicyError(f"tabletune: unknown option(s) {sorted(unknown)}")
-    from controller.exploration import ExplorationConfig
-    from controller.guardrail import GuardrailConfig
-    from controller.loop_config import LoopConfig
-
     config = LoopConfig(
         exploration=ExplorationConfig(share=options.get("explore", 0.02)),
         refit_interval_s=options.get("refit", 30.0),

@@ -122,7 +122,7 @@ def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:
     others = [p for p in policies if p != "tabletune"]
     lines = ["", "### Drift: stale-loss recovery", "",
              f"Each new phase is measured after its first {spec['settle_s']:g} s (virtual). "
-             "Stale: the table `fitter.profile` made on the phase before the drift "
+             "Stale: the table `tabletune.profile` made on the phase before the drift "
              f"({spec['profile_budget_s']:g} engine s), held fixed (`table:FILE`). "
              "Recovery = (tabletune − stale) / (best fixed K − stale); "
              f"{DASH} where the stale table lost under {100 * MIN_STALE_LOSS:g}% (nothing to "

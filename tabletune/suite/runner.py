@@ -5,7 +5,7 @@ broken policy must not cost the other figures.
 Task kinds:
 - `load`: one grid load under one policy; the measured phase's metrics.
 - `drift`: one drift scenario under one policy; its 10 s timeline and phase spans.
-- `stale`: profile a drift scenario's phase before the drift (`fitter.profile`, its own
+- `stale`: profile a drift scenario's phase before the drift (`tabletune.profile`, its own
   seed), write the table, then run the whole scenario under `table:FILE` held fixed.
 """
 
@@ -137,8 +137,8 @@ def _run_drift(task: Task) -> dict[str, Any]:
 
 
 def _run_stale(task: Task) -> dict[str, Any]:
-    from fitter.profile import profile
     from producers.twin import load_scenario
+    from tabletune.profile import profile
 
     assert task.path is not None and task.table_dir is not None
     scenario = load_scenario(task.path)

@@ -16,11 +16,11 @@ import pytest
 from controller.feed import TableFeed
 from controller.status import StatusPublisher
 from controller.table_log import read_topic
+from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
-from producers.table_switch import TableSwitch
 from producers.twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
-from tabletune.settings import Settings
+from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.test_controller.test_closed_loop import ngram_chat_to_code
 

@@ -11,7 +11,7 @@ from controller.exploration import (
     explorer_for,
     plan_candidates,
 )
-from producers.table_switch import TableSwitch
+from controller.table_switch import TableSwitch
 from schemas import DraftTable
 
 TABLE = DraftTable.from_vllm([[1, 16, 5], [17, 64, 3], [65, 128, 1]])

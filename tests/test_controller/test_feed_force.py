@@ -6,8 +6,8 @@ from __future__ import annotations
 from controller.engine_feed import EngineFeed
 from controller.feed import wall_clock
 from controller.status import StatusPublisher
+from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
-from producers.table_switch import TableSwitch
 from schemas import DraftTable, TableControl, TableKey
 
 KEY = TableKey("llama", "eagle", "h100")

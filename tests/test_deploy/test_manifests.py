@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from schemas import DraftTable
+from schemas.settings import ENV_VARS
 from tabletune.cli import build_parser
-from tabletune.settings import ENV_VARS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted(DEPLOY.rglob("*.yml")) + sorted(DEPLOY.rglob("*.yaml"))

@@ -16,7 +16,7 @@ from fitter.dataset import read_dataset
 from fitter.ingest import IngestConfig, Ingestor
 from schemas import encode_frame, records_to_table
 from schemas.frames import HEADER_SCHEMA_VERSION
-from tabletune.settings import Settings, TopicNames
+from schemas.settings import Settings, TopicNames
 from tests.test_schemas.strategies import sample_records
 
 FRAMES_PER_ENGINE = 6

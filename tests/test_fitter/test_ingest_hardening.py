@@ -20,8 +20,8 @@ from fitter.dataset import read_dataset
 from fitter.ingest import IngestConfig, Ingestor, partition_bounds
 from schemas import FrameError, decode_frame, encode_frame, records_to_table
 from schemas.frames import HEADER_RECORDS
+from schemas.settings import Settings, SettingsError, TopicNames
 from tabletune.cli import main
-from tabletune.settings import Settings, SettingsError, TopicNames
 from tests.test_schemas.strategies import sample_records
 
 RECORDS_PER_FRAME = 50

@@ -11,15 +11,15 @@ import pytest
 
 from controller.feed import TableFeed
 from controller.status import StatusPublisher
+from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from fitter.dataset import escape, hive_path, read_dataset, unescape
 from fitter.ingest import IngestConfig, Ingestor
-from fitter.refit_loop import RefitJob, refit_once
 from fitter.surface.synthetic import make_step_records
 from producers.sinks import KafkaSink
-from producers.table_switch import TableSwitch
 from schemas import DraftTable, TableKey
-from tabletune.settings import Settings
+from schemas.settings import Settings
+from tabletune.fit_job import RefitJob, refit_once
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle:EAGLE3-LLaMA3.1-Instruct-8B",
                "NVIDIA H100 80GB HBM3")

@@ -8,7 +8,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fitter.profile import ProfileError, profile
 from fitter.profile_plan import Cell, next_cell, score_cells, seed_design
 from fitter.surface.fit import fit_surface
 from fitter.surface.synthetic import make_step_records
@@ -16,7 +15,8 @@ from producers.sinks import FileSink, read_file_sink
 from producers.twin import PhaseConfig, Scenario
 from producers.twin.config import EngineConfig
 from schemas import TableEnvelope
-from tabletune.table_files import load_table_file
+from schemas.table_files import load_table_file
+from tabletune.profile import ProfileError, profile
 
 LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KS = tuple(range(8))

@@ -14,10 +14,10 @@ from kafka.admin import NewTopic
 from controller.table_log import newest_version, publish, read_log
 from fitter.dataset import file_name, hive_path
 from fitter.refit import RefitError, decide_refit, key_from_records, parse_since
-from fitter.refit_loop import RefitJob, refit_once
 from fitter.surface.synthetic import make_step_records
 from schemas import DraftTable, TableEnvelope, TableKey
-from tabletune.settings import Settings, TopicNames
+from schemas.settings import Settings, TopicNames
+from tabletune.fit_job import RefitJob, refit_once
 
 KEY = TableKey("m", "eagle", "h100")
 MAX_BATCH = 256

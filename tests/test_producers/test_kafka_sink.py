@@ -8,8 +8,8 @@ from producers.identity import EngineIdentity
 from producers.recorder import RecorderConfig, StepRecorder
 from producers.sinks import KafkaSink, KafkaSinkConfig, sink_from_url
 from schemas import records_to_table
+from schemas.settings import Settings
 from tabletune.broker import free_port
-from tabletune.settings import Settings
 from tests.kafka_helpers import read_telemetry
 from tests.test_producers.test_recorder import record
 from tests.test_schemas.strategies import sample_records

@@ -298,8 +298,8 @@ def test_profile_through_the_openai_api_forces_each_cells_k(tiny_model_dir, cach
     from controller.table_log import read_topic
     from fitter.dataset import read_dataset
     from fitter.ingest import IngestConfig, Ingestor
-    from fitter.profile import profile
-    from tabletune.settings import Settings
+    from schemas.settings import Settings
+    from tabletune.profile import profile
 
     port, key = free_port(), "tiny|ngram|profile-cpu"
     settings = Settings(bootstrap_servers=(broker.bootstrap,))
@@ -388,7 +388,7 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     from kafka import KafkaProducer
 
     from controller.table_log import publish
-    from tabletune.settings import Settings
+    from schemas.settings import Settings
 
     llm, scheduler = engine
     feed = scheduler.table_feed
@@ -463,7 +463,7 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
 
     from controller.table_log import control, force, publish
     from schemas import TableKey
-    from tabletune.settings import Settings
+    from schemas.settings import Settings
 
     llm, scheduler = engine
     feed, switch, recorder = scheduler.table_feed, scheduler.table_switch, scheduler.telemetry
@@ -515,7 +515,7 @@ def test_a_cold_openai_server_is_profiled_by_tabletune_control(tiny_model_dir, c
 
     from controller.table_log import read_topic
     from schemas import TableControl, TableEnvelope, parse_table_message
-    from tabletune.settings import Settings
+    from schemas.settings import Settings
 
     port, key = free_port(), "tiny|ngram|control-cpu"
     settings = Settings(bootstrap_servers=(broker.bootstrap,))

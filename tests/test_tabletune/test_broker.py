@@ -10,8 +10,8 @@ import time
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from schemas import decode_frame, encode_frame, records_to_table, table_to_records
+from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
-from tabletune.settings import Settings
 from tests.kafka_helpers import read_telemetry
 from tests.test_schemas.strategies import sample_records
 

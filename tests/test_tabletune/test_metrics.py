@@ -4,13 +4,13 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from controller.table_switch import TableSwitch
 from producers.identity import EngineIdentity
+from producers.metrics import CountersCollector, engine_counters, serve_metrics
 from producers.recorder import StepRecorder
 from producers.sinks import FileSink
-from producers.table_switch import TableSwitch
 from schemas import DraftTable
 from tabletune.broker import free_port
-from tabletune.metrics import CountersCollector, engine_counters, serve_metrics
 from tests.test_producers.test_recorder import record
 
 

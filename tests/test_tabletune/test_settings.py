@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tabletune.settings import ENV_VARS, Settings, SettingsError
+from schemas.settings import ENV_VARS, Settings, SettingsError
 
 
 def test_defaults_and_env():

@@ -1,6 +1,6 @@
 """The profile sweep: a first draft table for a cold engine within a fixed engine-time budget.
 
-    from fitter.profile import profile
+    from tabletune.profile import profile
     result = profile("twin:producers/twin/scenarios/sharegpt-eagle.toml", out_dir="prof")
     result.envelope            # the TableEnvelope, also written to prof/table.json
 
@@ -12,7 +12,7 @@ derives one from live telemetry (`fitter.derive`), so the two are comparable ver
 version.
 
 Engines: `twin:SCENARIO` (a scenario file, or the name of a built-in one) runs here on
-virtual time; `openai:URL` drives a vLLM server's completions API (`fitter.profile_openai`).
+virtual time; `openai:URL` drives a vLLM server's completions API (`tabletune.profile_openai`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.profile_plan import DEFAULT_CONCURRENCIES, concurrency_levels
-from fitter.profile_twin import CellRun, ProgressCallback, run_twin_profile
 from fitter.surface.fit import fit_surface
 from producers.recorder import Sink
 from producers.twin.config import Scenario
 from producers.twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 from schemas import TableEnvelope, TableKey
+from tabletune.profile_twin import CellRun, ProgressCallback, run_twin_profile
 
 DEFAULT_BUDGET_S = 120.0
 """Two minutes of engine time (virtual time on the twin)."""
@@ -90,7 +90,7 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
     """Profile a cold engine and derive its first table; write `out_dir/table.json`.
 
     `engine` is `twin:SCENARIO`, a `Scenario`, or `openai:URL` (then `openai_options` go to
-    `fitter.profile_openai.profile_openai`). `max_k` defaults to the engine's startup K;
+    `tabletune.profile_openai.profile_openai`). `max_k` defaults to the engine's startup K;
     `budget_s` is engine time; `cells` how many cells share it; `sink` receives the profile's
     telemetry as well (twin only).
     """
@@ -99,7 +99,7 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
     if cells < 1:
         raise ProfileError(f"cells={cells} must be >= 1")
     if isinstance(engine, str) and engine.startswith("openai:"):
-        from fitter.profile_openai import profile_openai
+        from tabletune.profile_openai import profile_openai
 
         return profile_openai(engine.removeprefix("openai:"), max_k=max_k, budget_s=budget_s,
                               out_dir=out_dir, cells=cells, concurrencies=concurrencies,

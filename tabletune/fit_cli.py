@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import TableKey
-from tabletune.settings import Settings
+from schemas.settings import Settings
 
 
 def register(commands: Any) -> None:
@@ -91,10 +91,10 @@ def register(commands: Any) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from fitter.profile import DEFAULT_CELLS, ProfileError, profile
-    from fitter.profile_progress import ProgressBar
     from producers.sinks import SinkError, sink_from_url
     from producers.twin.config import ScenarioError
+    from tabletune.profile import DEFAULT_CELLS, ProfileError, profile
+    from tabletune.profile_progress import ProgressBar
 
     options: dict[str, Any] = {}
     if args.engine.startswith("openai:"):
@@ -136,7 +136,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_fit(args: argparse.Namespace) -> int:
     from fitter.refit import RefitError, parse_since
-    from fitter.refit_loop import RefitJob, refit_once
+    from tabletune.fit_job import RefitJob, refit_once
 
     try:
         settings = Settings.from_env().with_bootstrap(args.bootstrap)

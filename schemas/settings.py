@@ -125,7 +125,7 @@ class Settings:
         env = os.environ if environ is None else environ
         unknown = sorted(k for k in env if k.startswith("TABLETUNE_") and k not in ENV_VARS)
         if unknown:
-            log.warning("ignoring unknown settings %s (known: see tabletune.settings.ENV_VARS)",
+            log.warning("ignoring unknown settings %s (known: see schemas.settings.ENV_VARS)",
                         ", ".join(unknown))
         default_topics = TopicNames()
         topics = TopicNames(

@@ -21,8 +21,8 @@ from fitter.dataset import read_dataset
 from fitter.refit import DEFAULT_THRESHOLD, RefitDecision, decide_refit, key_from_records
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S
 from schemas import TableEnvelope, TableKey
-from tabletune.settings import Settings
-from tabletune.table_files import load_table_file
+from schemas.settings import Settings
+from schemas.table_files import load_table_file
 
 log = logging.getLogger(__name__)
 

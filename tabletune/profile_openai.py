@@ -29,11 +29,11 @@ from controller.table_log import control, force, publish
 from fitter.dataset import read_dataset
 from fitter.derive import DEFAULT_TOLERANCE
 from fitter.profile_plan import Cell, concurrency_levels, next_cell
-from fitter.profile_twin import CellRun, ProgressCallback
 from fitter.refit import key_from_records
 from fitter.surface.fit import SurfaceFit, fit_surface
 from schemas import DraftTable, TableKey
-from tabletune.settings import Settings
+from schemas.settings import Settings
+from tabletune.profile_twin import CellRun, ProgressCallback
 
 GENERATED_PROMPTS = tuple(
     f"Write a detailed, step-by-step explanation of topic number {i}: how a compiler turns "
@@ -113,7 +113,7 @@ def profile_openai(url: str, *, max_k: int | None, budget_s: float,
     `parquet`. K is forced when `settings` names a bootstrap server (see the module
     docstring); then `key` (model|drafter|hardware) and `max_k` are required, and `k_values`
     (default 0..max_k) must be K values the server was started with, or it refuses them."""
-    from fitter.profile import ProfileError, ProfileResult, envelope_from_records, write_table
+    from tabletune.profile import ProfileError, ProfileResult, envelope_from_records, write_table
 
     if parquet is None:
         raise ProfileError("openai: the fit needs the server's telemetry: run the server "

@@ -6,7 +6,7 @@ from types import TracebackType
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fitter.profile_twin import CellRun
+from tabletune.profile_twin import CellRun
 
 
 class ProgressBar:

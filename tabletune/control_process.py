@@ -1,0 +1,81 @@
+"""`tabletune control` as a child process: the command an operator runs, on a caller's broker.
+
+The demo and the fleet benchmark start it this way so that what they show is the deployed
+service, not a copy of its loop inside the caller's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+READY_TIMEOUT_S = 90.0
+"""Start-up reads the tables and status topics and imports the fitter: seconds on a busy
+2-core machine, never a minute and a half."""
+STOP_TIMEOUT_S = 60.0
+"""SIGTERM releases held forces and writes the decisions file before exiting."""
+
+
+class ControlProcessError(RuntimeError):
+    """`tabletune control` exited, or never said it was ready; the message holds its log."""
+
+
+class ControlProcess:
+    """Runs `tabletune --verbose control --decisions FILE` with `env` until the block ends."""
+
+    def __init__(self, env: Mapping[str, str], work_dir: Path,
+                 args: Sequence[str] = ()) -> None:
+        self.env = {**os.environ, **env}
+        self.log_path = work_dir / "control.log"
+        self.decisions_path = work_dir / "decisions.jsonl"
+        self.summary_path = work_dir / "control-summary.json"
+        self.args = list(args)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ControlProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.decisions_path.unlink(missing_ok=True)
+        with open(self.log_path, "w") as log, open(self.summary_path, "w") as summary:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tabletune.cli", "--verbose", "control",
+                 "--decisions", str(self.decisions_path), *self.args],
+                env=self.env, stdout=summary, stderr=log)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "ready:" not in self.log_path.read_text():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise ControlProcessError(
+                    f"tabletune control did not start:\n{self.log_path.read_text()}")
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """Every decision of every key's loop, as the service wrote them at exit."""
+        if not self.decisions_path.exists():
+            raise ControlProcessError(
+                f"tabletune control wrote no decisions:\n{self.log_path.read_text()}")
+        return [json.loads(line) for line in self.decisions_path.read_text().splitlines()
+                if line]

@@ -1,21 +1,32 @@
-"""Shared fixtures: a real Kafka-protocol broker for the whole session, uuid-named topics."""
+"""Shared fixtures: a real Kafka-protocol broker for the whole session, uuid-named topics,
+and SpecDecode-Bench-shaped traces."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
+from producers.twin.synthetic_traces import PROFILES, write_traces
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
+"""The benchmark's own traces, beside the repository on some machines only."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "shared_traces: runs on ../shared's SpecDecode-Bench "
+                                       "traces when they are there, else on generated ones")
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +63,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tabletune.tiny_models import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def generated_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sharegpt/gsm8k/instructcoder.jsonl shaped like SpecDecode-Bench's, from a fixed seed:
+    what a test needing trace data reads, with or without ../shared."""
+    return write_traces(tmp_path_factory.mktemp("specdecode-bench"), seed=0)
+
+
+@pytest.fixture
+def shared_or_generated_traces(request: pytest.FixtureRequest, generated_traces: Path) -> Path:
+    """The shared traces when all are there, else the generated ones; only for tests marked
+    `shared_traces`, so a reader knows which tests see other data on other machines."""
+    if request.node.get_closest_marker("shared_traces") is None:
+        pytest.fail("a test that reads the shared traces must be marked shared_traces")
+    if all((SHARED_TRACES / f"{name}.jsonl").is_file() for name in PROFILES):
+        return SHARED_TRACES
+    return generated_traces

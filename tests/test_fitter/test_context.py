@@ -14,8 +14,6 @@ from fitter.surface.telemetry import request_segment_rows, to_frame
 from producers.sinks import read_file_sink
 from producers.twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
-
 
 def _row(request: int, steps: int, tokens: int, context: float, rate: float,
          positions: int = 4, k: int = 4) -> list[float]:
@@ -64,9 +62,10 @@ def test_bad_input_is_named():
         RequestContextModel().fit(bad)
 
 
-def _chat(k: int, tmp_path: Path) -> pl.DataFrame:
-    phase = PhaseConfig(duration_s=150.0, concurrency=48, trace=str(DATA / "sharegpt.jsonl"),
-                        acceptance=(0.35, 0.84, 0.87, 0.90, 0.91))
+def _chat(k: int, trace: Path, tmp_path: Path) -> pl.DataFrame:
+    """Step records of a ShareGPT-shaped n-gram chat at fixed `k` (no fallback: a missing
+    trace is an error, not parametric requests without the effect)."""
+    phase = PhaseConfig(duration_s=150.0, concurrency=48, trace=str(trace))
     scenario = Scenario(seed=1, engine=EngineConfig(engine_id="ctx"), phases=(phase,))
     scenario = replace(scenario, drafter=replace(scenario.drafter, method="ngram",
                                                  ngram_match_prob=0.5))
@@ -75,10 +74,11 @@ def _chat(k: int, tmp_path: Path) -> pl.DataFrame:
     return frame.filter(pl.col("ts_ns") >= 30 * 10**9)  # after the closed loop settled
 
 
-def test_twin_requests_at_k3_predict_the_context_a_k2_batch_holds(tmp_path):
+def test_twin_requests_at_k3_predict_the_context_a_k2_batch_holds(generated_traces, tmp_path):
     """n-gram chat: at K2 a closed loop's batch holds more context per request than at K3
     (the long requests accept well and stay longer); K3's finished requests say how much."""
-    at_k3, at_k2 = _chat(3, tmp_path), _chat(2, tmp_path)
+    trace = generated_traces / "sharegpt.jsonl"
+    at_k3, at_k2 = _chat(3, trace, tmp_path), _chat(2, trace, tmp_path)
 
     def decode_context(frame: pl.DataFrame) -> float:
         decode = frame.filter(pl.col("num_prefill_reqs") == 0)

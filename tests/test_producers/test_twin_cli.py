@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,6 @@ from producers.twin import PolicyError, make_policy, register_policy
 from producers.twin.cli import register
 from producers.twin.policies import FixedK
 from schemas import DraftTable, TableEnvelope, TableError, TableKey
-
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
 
 SCENARIO = """
 seed = 3
@@ -130,11 +127,9 @@ def test_twin_run_duration_and_errors(tmp_path, capsys):
     assert "phases[1].concurrency: must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_twin_static_prints_a_json_list(capsys):
-    trace = DATA / "gsm8k.jsonl"
-    source = ["--trace", str(trace)] if trace.is_file() else [
-        "--acceptance", "0.72", "0.67", "0.65", "--prompt-len", "94", "--output-len", "166"]
-    assert _main(["twin", "static", *source, "--method", "eagle", "--batch-sizes", "1", "16",
+def test_twin_static_prints_a_json_list(generated_traces, capsys):
+    trace = ["--trace", str(generated_traces / "gsm8k.jsonl")]
+    assert _main(["twin", "static", *trace, "--method", "eagle", "--batch-sizes", "1", "16",
                   "--k", "1", "3", "--requests", "40", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [(r["batch_size"], r["k"]) for r in results] == [(1, 1), (1, 3), (16, 1), (16, 3)]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from producers.twin import (
     DrafterConfig,
@@ -19,20 +21,32 @@ from producers.twin import (
 )
 from schemas import DraftTable
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
-SHAREGPT_EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+GSM8K_EAGLE = (0.72, 0.67, 0.65, 0.65, 0.65)
+"""GSM8K's conditional acceptance under EAGLE, for the one test that needs parametric requests."""
+
+Workload = Callable[..., PhaseConfig]
 
 
-def workload(**overrides) -> PhaseConfig:
-    """GSM8K's trace when the shared data is there, else the same shape, parametric."""
-    fields = dict(duration_s=20.0, concurrency=8, trace=str(DATA / "gsm8k.jsonl"),
-                  acceptance=(0.72, 0.67, 0.65, 0.65, 0.65), prompt_len=94, output_len=166)
-    fields.update(overrides)
-    return PhaseConfig(**fields)
+@pytest.fixture
+def gsm8k(generated_traces: Path) -> Path:
+    return generated_traces / "gsm8k.jsonl"
+
+
+@pytest.fixture
+def workload(gsm8k: Path) -> Workload:
+    """Phases of GSM8K-shaped trace requests; no acceptance to fall back on, so a missing
+    trace fails the test instead of swapping in parametric requests."""
+
+    def make(**overrides) -> PhaseConfig:
+        fields = dict(duration_s=20.0, concurrency=8, trace=str(gsm8k))
+        fields.update(overrides)
+        return PhaseConfig(**fields)
+
+    return make
 
 
 def scenario(*phases: PhaseConfig, seed: int = 1, **engine) -> Scenario:
-    return Scenario(seed=seed, engine=EngineConfig(**engine), phases=phases or (workload(),))
+    return Scenario(seed=seed, engine=EngineConfig(**engine), phases=phases)
 
 
 class Recording(Policy):
@@ -52,15 +66,15 @@ class Recording(Policy):
         self.steps.append(step)
 
 
-def test_same_seed_same_run_and_another_seed_differs():
-    first = run_scenario(scenario(seed=5), "vllm-doc").to_dict()
-    again = run_scenario(scenario(seed=5), "vllm-doc").to_dict()
-    other = run_scenario(scenario(seed=6), "vllm-doc").to_dict()
+def test_same_seed_same_run_and_another_seed_differs(workload):
+    first = run_scenario(scenario(workload(), seed=5), "vllm-doc").to_dict()
+    again = run_scenario(scenario(workload(), seed=5), "vllm-doc").to_dict()
+    other = run_scenario(scenario(workload(), seed=6), "vllm-doc").to_dict()
     assert json.dumps(first) == json.dumps(again)
     assert first["output_tokens"] != other["output_tokens"]
 
 
-def test_k0_emits_exactly_one_token_per_request_per_step():
+def test_k0_emits_exactly_one_token_per_request_per_step(workload):
     policy = Recording([[1, 256, 0]])
     engine, _, _ = build_engine(scenario(workload(concurrency=16)), policy)
     engine.run(policy)
@@ -73,7 +87,7 @@ def test_k0_emits_exactly_one_token_per_request_per_step():
             assert step.num_decode_reqs <= step.emitted_tokens <= step.batch_size
 
 
-def test_single_request_takes_one_step_per_token_at_k0():
+def test_single_request_takes_one_step_per_token_at_k0(workload):
     policy = Recording([[1, 256, 0]])
     engine, _, _ = build_engine(scenario(workload(concurrency=1, duration_s=1e-3)), policy,
                                 drain=True)
@@ -83,15 +97,17 @@ def test_single_request_takes_one_step_per_token_at_k0():
     assert len(policy.steps) == finished["output_tokens"][0]  # one prefill + G-1 decodes
 
 
-def _trace_output_lengths(engine) -> np.ndarray | None:
+def _trace_output_lengths(trace: Path) -> np.ndarray:
     """len(acc_eagle.acc_len) per row of the trace, read independently of the twin."""
-    if not engine.pools[0].source.startswith("gsm8k.jsonl"):
-        return None
-    rows = [json.loads(line) for line in (DATA / "gsm8k.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
     return np.array([len(r["acc_eagle"]["acc_len"]) for r in rows])
 
 
-def test_emitted_tokens_equal_the_generated_lengths():
+def test_emitted_tokens_equal_the_generated_lengths(workload, gsm8k):
+    expected = _trace_output_lengths(gsm8k)
+    generated = np.array([len(json.loads(line)["generated_token_ids"])
+                          for line in gsm8k.read_text().splitlines()])
+    assert (expected != generated).any()  # EAGLE's column, not generated_token_ids, counts
     for policy in ("fixed:0", "fixed:5"):
         engine, _, chosen = build_engine(scenario(workload(concurrency=24)), policy, drain=True)
         log = engine.run(chosen)
@@ -99,13 +115,10 @@ def test_emitted_tokens_equal_the_generated_lengths():
         assert engine.batch.n == 0 and not engine.waiting
         assert sorted(finished["request_id"]) == list(range(len(finished["request_id"])))
         assert sum(log.emitted) == finished["output_tokens"].sum()
-        expected = _trace_output_lengths(engine)
-        if expected is None:
-            expected = engine.pools[0].output_len
         np.testing.assert_array_equal(finished["output_tokens"], expected[finished["pool_index"]])
 
 
-def test_lookup_uses_all_scheduled_requests_and_drafts_are_verified_next_step():
+def test_lookup_uses_all_scheduled_requests_and_drafts_are_verified_next_step(workload):
     table = [[1, 3, 5], [4, 4, 2], [5, 256, 0]]
     dense = DraftTable.from_vllm(table).to_dense(256)
     policy = Recording(table)
@@ -134,9 +147,10 @@ class CheckingInvariants(Recording):
         assert np.all(batch.generated[:n] < batch.output[:n])
 
 
-def test_chunked_prefill_stays_within_the_token_budget():
+def test_chunked_prefill_stays_within_the_token_budget(workload):
     policy = CheckingInvariants([[1, 256, 7]])
-    sc = scenario(workload(concurrency=40, prompt_len=700, trace=None, duration_s=30.0),
+    sc = scenario(workload(concurrency=40, prompt_len=700, output_len=166, trace=None,
+                           acceptance=GSM8K_EAGLE, duration_s=30.0),
                   max_num_seqs=32, max_num_batched_tokens=512)
     engine, _, _ = build_engine(sc, policy)
     engine.run(policy)
@@ -146,7 +160,7 @@ def test_chunked_prefill_stays_within_the_token_budget():
     assert len(engine.log.finished()["output_tokens"]) > 10  # long prompts still complete
 
 
-def test_closed_loop_phases_switch_at_their_virtual_time():
+def test_closed_loop_phases_switch_at_their_virtual_time(workload):
     policy = Recording([[1, 256, 3]])
     phases = (workload(concurrency=2, duration_s=20.0), workload(concurrency=24, duration_s=20.0))
     engine, _, _ = build_engine(scenario(*phases), policy)
@@ -163,7 +177,7 @@ def test_closed_loop_phases_switch_at_their_virtual_time():
     assert summary.phases[1]["mean_batch_size"] > 5 * summary.phases[0]["mean_batch_size"]
 
 
-def test_open_loop_rate_follows_the_phases():
+def test_open_loop_rate_follows_the_phases(workload):
     phases = (workload(concurrency=None, rate_rps=2.0, duration_s=30.0),
               workload(concurrency=None, rate_rps=20.0, duration_s=30.0))
     engine, _, policy = build_engine(scenario(*phases), "fixed:3", drain=True)
@@ -174,11 +188,11 @@ def test_open_loop_rate_follows_the_phases():
     assert arrivals.max() < 60.0
 
 
-def test_ngram_without_a_match_proposes_nothing():
+def test_ngram_without_a_match_proposes_nothing(workload):
     def drafts_short(match_prob: float) -> int:
         policy = Recording([[1, 256, 3]])
         sc = Scenario(seed=2, drafter=DrafterConfig(method="ngram", ngram_match_prob=match_prob),
-                      phases=(workload(acceptance=(0.16, 0.61, 0.65)),))
+                      phases=(workload(),))
         engine, _, _ = build_engine(sc, policy)
         engine.run(policy)
         return sum(s.num_decode_reqs - s.num_drafts for s in policy.steps if s.k)
@@ -187,14 +201,14 @@ def test_ngram_without_a_match_proposes_nothing():
     assert drafts_short(0.0) > 0
 
 
-def test_realtime_paces_virtual_time_to_the_wall_clock():
+def test_realtime_paces_virtual_time_to_the_wall_clock(workload):
     start = time.monotonic()
     summary = run_scenario(scenario(workload(duration_s=0.3)), "fixed:3", realtime=True)
     assert time.monotonic() - start >= 0.28
     assert summary.steps > 5
 
 
-def test_abort_drops_waiting_first_then_random_running_requests():
+def test_abort_drops_waiting_first_then_random_running_requests(workload):
     policy = Recording([[1, 256, 3]])
     engine, _, _ = build_engine(scenario(workload(concurrency=32, duration_s=2.0),
                                          max_num_seqs=16), policy)
@@ -215,7 +229,7 @@ def test_abort_drops_waiting_first_then_random_running_requests():
     assert set(left) & finished and not aborted & finished
 
 
-def test_aborting_requests_in_prefill_keeps_the_engine_consistent():
+def test_aborting_requests_in_prefill_keeps_the_engine_consistent(workload):
     policy = Recording([[1, 256, 2]])
     engine, _, _ = build_engine(scenario(workload(concurrency=48, duration_s=0.05,
                                                   prompt_scale=40.0)), policy)
@@ -230,7 +244,7 @@ def test_aborting_requests_in_prefill_keeps_the_engine_consistent():
     assert engine.clock_s >= engine.end_s
 
 
-def test_each_phase_serves_the_same_requests_whatever_the_earlier_phases_drew():
+def test_each_phase_serves_the_same_requests_whatever_the_earlier_phases_drew(workload):
     """Common random numbers: a faster policy draws more requests in a closed loop's phase;
     the next phase must still start with the same requests in the same order, or a paired
     comparison of two policies there compares different traffic."""

@@ -1,4 +1,5 @@
-"""Static-batch mode: SpecDecode-Bench's experiment, checked by hand and on the shared traces."""
+"""Static-batch mode: SpecDecode-Bench's experiment, checked by hand and on a GSM8K trace
+(the shared one where it is there, else a generated one)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from producers.twin.config import CostConfig
 from producers.twin.cost import CostModel
 from producers.twin.static import ngram_match_prob_for, static_speedups
 from producers.twin.workload import RequestPool, load_trace, parametric_pool
-
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
 
 
 def toy_cost(method: str) -> CostModel:
@@ -73,21 +72,11 @@ def test_k0_is_no_speculation_on_both_code_paths():
             assert speedup(pool, method, b, 0, match_prob=0.3) == pytest.approx(1.0, rel=1e-12)
 
 
-def shared_or_parametric(name: str, method: str) -> RequestPool:
-    """The shared trace when present; otherwise a parametric stand-in, never a skip."""
-    path = DATA / f"{name}.jsonl"
-    if path.is_file():
-        pool = load_trace(path, method)
-        assert len(pool) >= 300
-        return pool
-    rates = (0.72, 0.67, 0.65, 0.65, 0.65) if method == "eagle" else (0.16, 0.61, 0.65)
-    return parametric_pool(rates, prompt_len=94, output_len=166, max_k=7,
-                           rng=np.random.default_rng(1), requests=512)
-
-
+@pytest.mark.shared_traces
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
-def test_experiment_on_gsm8k(method):
-    pool = shared_or_parametric("gsm8k", method)
+def test_experiment_on_gsm8k(method, shared_or_generated_traces: Path):
+    pool = load_trace(shared_or_generated_traces / "gsm8k.jsonl", method)
+    assert len(pool) >= 300  # the experiment samples 300 requests
     cost = CostModel.from_config(CostConfig(), method)
     results = static_speedups(pool, method=method, batch_sizes=[1, 32], ks=[1, 3, 5],
                               cost=cost, ngram_match_prob=ngram_match_prob_for("gsm8k.jsonl"))

@@ -12,14 +12,12 @@ from producers.twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scen
 from schemas import DraftTable
 from tests.kafka_helpers import read_telemetry
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "specdecode-bench"
 
-
-def chat(engine_id: str = "twin-test", duration_s: float = 60.0, concurrency: int = 32,
-         seed: int = 1) -> Scenario:
+def chat(traces: Path, engine_id: str = "twin-test", duration_s: float = 60.0,
+         concurrency: int = 32, seed: int = 1) -> Scenario:
+    """EAGLE chat on the ShareGPT-shaped trace in `traces` (a missing file is an error)."""
     phase = PhaseConfig(duration_s=duration_s, concurrency=concurrency,
-                        trace=str(DATA / "sharegpt.jsonl"),
-                        acceptance=(0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80))
+                        trace=str(traces / "sharegpt.jsonl"))
     return Scenario(seed=seed, engine=EngineConfig(engine_id=engine_id), phases=(phase,))
 
 
@@ -28,8 +26,8 @@ def _sorted_records(directory: Path):
     return table.sort_by([("step_seq", "ascending")]).to_pydict()
 
 
-def test_file_sink_records_match_the_summary(tmp_path):
-    summary = run_scenario(chat(), "vllm-doc", sink=f"file://{tmp_path}")
+def test_file_sink_records_match_the_summary(generated_traces, tmp_path):
+    summary = run_scenario(chat(generated_traces), "vllm-doc", sink=f"file://{tmp_path}")
     records = _sorted_records(tmp_path)
     steps = summary.steps
     assert steps > 2048  # several frames
@@ -58,9 +56,9 @@ def test_file_sink_records_match_the_summary(tmp_path):
     assert np.all(np.array(records["ctx_len_max"]) <= kv)
 
 
-def test_twin_telemetry_reaches_the_real_broker(broker, unique_name):
-    summary = run_scenario(chat(engine_id=unique_name, duration_s=10.0), "fixed:3",
-                           sink=f"kafka://{broker.bootstrap}")
+def test_twin_telemetry_reaches_the_real_broker(generated_traces, broker, unique_name):
+    summary = run_scenario(chat(generated_traces, engine_id=unique_name, duration_s=10.0),
+                           "fixed:3", sink=f"kafka://{broker.bootstrap}")
     table = read_telemetry(broker.bootstrap, engine_id=unique_name, min_records=summary.steps)
     assert table.num_rows == summary.steps
     assert table.column("step_seq").to_pylist() == list(range(summary.steps))
@@ -82,9 +80,9 @@ class SwitchAtStep(FixedK):
             engine.switch.stage(table, self.version)
 
 
-def test_a_table_staged_mid_run_changes_k_next_from_the_next_step(tmp_path):
-    run_scenario(chat(duration_s=5.0, concurrency=8), SwitchAtStep(5, at=40, new_k=1, version=3),
-                 sink=f"file://{tmp_path}")
+def test_a_table_staged_mid_run_changes_k_next_from_the_next_step(generated_traces, tmp_path):
+    run_scenario(chat(generated_traces, duration_s=5.0, concurrency=8),
+                 SwitchAtStep(5, at=40, new_k=1, version=3), sink=f"file://{tmp_path}")
     records = _sorted_records(tmp_path)
     k_next, version, k = records["k_next"], records["table_version"], records["k"]
     assert len(k_next) > 60
@@ -93,8 +91,9 @@ def test_a_table_staged_mid_run_changes_k_next_from_the_next_step(tmp_path):
     assert k[41] == 5 and k[42] == 1  # drafts proposed at step N are verified at step N+1
 
 
-def test_finished_requests_add_up_to_their_steps(tmp_path):
-    summary = run_scenario(chat(duration_s=40.0), FixedK(3), sink=f"file://{tmp_path}")
+def test_finished_requests_add_up_to_their_steps(generated_traces, tmp_path):
+    summary = run_scenario(chat(generated_traces, duration_s=40.0), FixedK(3),
+                           sink=f"file://{tmp_path}")
     table = read_file_sink(tmp_path)
     requests: dict[tuple[int, int], list[dict]] = {}
     for seq, rows in zip(table.column("step_seq").to_pylist(),

@@ -373,6 +373,14 @@ def _envelope(version: int, triples, key: str = TABLE_KEY):
                          max_batch=vllm_setup.MAX_NUM_SEQS, created_at="2026-11-29T00:00:00Z")
 
 
+def _wait_until(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.05)
+
+
 def _wait_for_event(feed, predicate, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -472,14 +480,28 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     key = TableKey.parse(TABLE_KEY)
     following = switch.version
     # Refused: K outside the startup set; ignored: a force that has already expired.
-    publish(settings, force(key, DraftTable.from_vllm([[1, 16, 3]]), hold_s=600))
-    _wait_for_event(feed, lambda e: e["event"] == "rejected" and e.get("control") == "force"
-                    and e["reason"] == "k_not_in_startup_set")
+    refused_force = force(key, DraftTable.from_vllm([[1, 16, 3]]), hold_s=600)
+
+    def refuse_a_force() -> None:
+        """Publish a force of K 3 and wait for its own refusal, not an earlier one."""
+        before = list(feed.status.recent)
+        publish(settings, refused_force)
+        _wait_for_event(feed, lambda e: e["event"] == "rejected"
+                        and e.get("control") == "force" and e["reason"] == "k_not_in_startup_set"
+                        and not any(e is seen for seen in before))
+
+    refuse_a_force()
     stale = force(key, DraftTable.from_vllm([[1, 16, 1]]), hold_s=600)
     stale = type(stale).from_dict({**stale.to_dict(), "expires_at": (
         dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()})
     publish(settings, stale)
-    time.sleep(1.0)
+    # The feed took the stale force in (its agent holds it), and a message published after
+    # that was handled, so the poll that read the stale force has synced the switch.
+    _wait_until(lambda: feed.agent.state.forced is not None
+                and feed.agent.state.forced.expires_at == stale.expires_at,
+                "the feed holds the expired force")
+    refuse_a_force()
+    assert feed.agent.forced_table(dt.datetime.now(dt.UTC)) is None
     assert not switch.forced and not switch.pending
 
     publish(settings, force(key, DraftTable.from_vllm([[1, 16, 1]]), hold_s=600))

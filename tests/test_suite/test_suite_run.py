@@ -56,9 +56,12 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     benchmarks.write_text("# Benchmarks\n\nhand-written\n")
     assert main(["bench", "--suite", "tiny", "--out", str(out), "--processes", "1",
                  "--markdown", str(benchmarks)]) == 0
-    assert json.loads(capsys.readouterr().out)["results"] == str(out / "results.json")
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["results"] == str(out / "results.json")
 
     results = json.loads((out / "results.json").read_text())
+    # the runner records a crashing policy instead of raising: here, none may crash
+    assert results["errors"] == [] and printed["runs_failed"] == 0, results["errors"]
     assert set(results) == set(RESULT_KEYS)
     assert results["suite"] == "tiny" and results["traces_found"] == {"sharegpt": False}
     assert results["command"] == f"tabletune bench --suite tiny --out {out}"
@@ -70,7 +73,7 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     policies = {"fixed:0", "fixed:1", "fixed:2", "fixed:3", "vllm-doc", "tabletune"}
     for load in closed["loads"]:
         assert set(load["runs"]) == policies
-        assert all(load["scores"][f"fixed:{k}"] > 0 for k in range(4))
+        assert all(score is not None and score > 0 for score in load["scores"].values())
     ratios = closed["ratios"]
     assert ratios["best_single_fixed"] in {f"fixed:{k}" for k in range(4)}
     doc = ratios["policies"]["vllm-doc"]["vs_oracle"]
@@ -83,8 +86,6 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     assert {"recovery", "stale_loss", "best_fixed", "tabletune_vs_best_fixed"} <= set(row)
     assert row["stale"]["profiled_phase"] == "c2" and row["stale"]["table"][0][0] == 1
     assert (out / "tables" / "tiny-drift-before-1" / "table.json").is_file()
-    for error in results["errors"]:  # a failing policy is recorded, not raised
-        assert error["error"]
 
     standalone = results["standalone"]
     assert standalone["hook_overhead"]["status"] == "ok"

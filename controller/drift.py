@@ -1,6 +1,6 @@
 """Drift detection: live steps against what the active table's envelope predicted.
 
-Pure: `set_envelope` when a table becomes active, `observe` each chunk of step records,
+Pure: `set_envelope` when a table becomes active, `observe` step records as they come,
 and a `DriftReport` comes back when the table has gone stale; the caller emits `stale` with
 the report's fields so the fitter refits. Three signals, each with its magnitude:
 
@@ -89,11 +89,18 @@ class DriftConfig:
     z: float = 5.0
     min_steps: int = 200
     renotify_s: float = 60.0
+    chunk_s: float = 1.0
+    """Standard errors come from the means of chunks this many seconds of telemetry time
+    long, however the records arrived: a service that falls behind gets them in larger
+    batches, and chunks made of batches would leave it too few to test (the twin's
+    in-memory ticks are 1 s)."""
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.reference_s < 0 or self.min_steps < 2:
+        if (self.window_s <= 0 or self.reference_s < 0 or self.min_steps < 2
+                or not 0 < self.chunk_s <= self.window_s / 4):
             raise ValueError(f"window_s={self.window_s}, reference_s={self.reference_s}, "
-                             f"min_steps={self.min_steps}: need > 0, >= 0, >= 2")
+                             f"min_steps={self.min_steps}, chunk_s={self.chunk_s}: need > 0, "
+                             ">= 0, >= 2, in (0, window_s / 4]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +161,8 @@ class DriftDetector:
         self._ref_chunks: list[NDArray[np.float64]] = []
         self._ref_se = (0.0, 0.0)
         """Standard errors of the reference's latency and acceptance means."""
+        self._open: tuple[int, float, NDArray[np.float64]] | None = None
+        """(chunk index, newest step time, summed stats) of the chunk still filling."""
 
     def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
                      fitted_batch_range: tuple[int, int] | None = None,
@@ -163,6 +172,7 @@ class DriftDetector:
         confirmation ran steadily (`DriftConfig.confirmed_misfit_factor`)."""
         self.version = version
         self._window.clear()
+        self._open = None
         self._since_s = at_s
         self._ref_stats = np.zeros(_STATS)
         self._ref_chunks = []
@@ -198,7 +208,9 @@ class DriftDetector:
         return math.log1p((self.config.after_sweep_factor if strict else 1.0) * threshold)
 
     def observe(self, steps: StepColumns) -> DriftReport | None:
-        """Add a chunk of records; a report when the active table has just gone stale."""
+        """Add records; a report when the active table has just gone stale. A chunk of
+        `chunk_s` is tested once a step of a later chunk arrives (late steps of an earlier
+        one join the chunk still filling)."""
         if self._latency is None or len(steps) == 0:
             return None
         cfg = self.config
@@ -206,8 +218,22 @@ class DriftDetector:
                              & (steps.t_s >= self._since_s + cfg.warmup_s))
         if len(steps) == 0:
             return None
-        now_s = float(steps.t_s[-1])
-        stats = self._stats(steps)
+        index = np.floor(steps.t_s / cfg.chunk_s).astype(np.int64)
+        report = None
+        for chunk in np.unique(index):
+            part = steps.select(index == chunk)
+            stats, newest_s = self._stats(part), float(part.t_s.max())
+            if self._open is not None and chunk <= self._open[0]:
+                open_index, open_s, open_stats = self._open
+                self._open = (open_index, max(open_s, newest_s), open_stats + stats)
+                continue
+            if self._open is not None:
+                report = self._add_chunk(self._open[1], self._open[2]) or report
+            self._open = (int(chunk), newest_s, stats)
+        return report
+
+    def _add_chunk(self, now_s: float, stats: NDArray[np.float64]) -> DriftReport | None:
+        cfg = self.config
         if self.state is DriftState.REFERENCE:
             self._ref_stats += stats
             self._ref_chunks.append(stats)

@@ -14,11 +14,12 @@ memory, for comparison. Writes `demo-out/report.md` and PNG plots.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from controller.table_log import read_log
 from fitter.ingest import IngestConfig, Ingestor
@@ -37,12 +44,12 @@ from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
 from tabletune.control_process import ControlProcess
 from tabletune.demo_scenarios import GROUPS, Group
-from tabletune.twin_fleet import Fleet, FleetConfig
 
 CONCURRENCIES = (1, 4, 16, 64, 128, 256)
 DEMO_SPEEDUP = 10.0
-"""Virtual seconds per wall second: the speed the fleet benchmark measures the control
-service at, and it keeps the fleet's two 300 s phases to about a minute."""
+"""Virtual seconds per wall second asked of the fleet: the speed the fleet benchmark
+measures the control service at. On 2 cores the engines fall behind it; their clock, and
+so the service's, is the engines' virtual time, so nothing but the wall time changes."""
 SIGNING = {"TABLETUNE_SIGNING_KEY_ID": "demo", "TABLETUNE_SIGNING_SECRET": "demo-secret"}
 """Tables are signed and verified as in production; a demo secret, for a demo broker."""
 
@@ -84,25 +91,22 @@ def run_demo(out_dir: Path, *, phase_s: float = 300.0, engines_per_group: int = 
         ingest_thread = threading.Thread(target=ingestor.run, name="demo-ingest", daemon=True)
         ingest_thread.start()
 
-        task = progress.add_task("tabletune control: starting", total=2 * phase_s)
+        fleet_task = progress.add_task("fleet ← tables topic ← tabletune control", total=None)
         with ControlProcess(env, out_dir / "control") as control:
-            fleets = {name: Fleet(_fleet_scenario(result.group, phase_s), settings,
-                                  FleetConfig(engines=engines_per_group,
-                                              speedup=DEMO_SPEEDUP)).start()
-                      for name, result in results.items()}
-            while any(fleet.running for fleet in fleets.values()):
-                clock = min(fleet.clock_s for fleet in fleets.values())
-                progress.update(task, completed=clock, description=(
-                    "fleet ← tables topic ← tabletune control " + _ingest_line(ingestor)))
+            fleets = {name: _start_fleet(result.group, phase_s, engines_per_group, env,
+                                         out_dir) for name, result in results.items()}
+            while any(fleet.poll() is None for fleet in fleets.values()):
+                progress.update(fleet_task, description="fleet ← tables topic ← tabletune "
+                                "control " + _ingest_line(ingestor))
                 time.sleep(0.5)
-            runs = {name: fleet.join() for name, fleet in fleets.items()}
+            runs = {name: _fleet_result(fleet) for name, fleet in fleets.items()}
         decisions = control.decisions()
-        progress.update(task, completed=2 * phase_s, description="fleet: done "
-                        + _ingest_line(ingestor))
+        progress.update(fleet_task, total=1, completed=1,
+                        description="fleet: done " + _ingest_line(ingestor))
         envelopes = [e.message for e in read_log(settings)
                      if isinstance(e.message, TableEnvelope)]
         for name, result in results.items():
-            _collect(result, runs[name], decisions, envelopes, fleets[name].epoch_s)
+            _collect(result, runs[name], decisions, envelopes)
 
         batch = progress.add_task("fit: batch refit from the ingested Parquet", total=1)
         _wait_ingested(ingestor, sum(r["steps"] for g in results.values() for r in g.live))
@@ -126,23 +130,38 @@ def run_demo(out_dir: Path, *, phase_s: float = 300.0, engines_per_group: int = 
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
-        "{task.completed:.0f}/{task.total:.0f}"), TimeElapsedColumn(), console=console)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console)
 
 
-def _fleet_scenario(group: Group, phase_s: float) -> Any:
-    """Engine 0 of the fleet runs the comparison's seed; fleet engine ids `<group>-<i>`."""
-    from producers.twin.scenario_file import parse_scenario
+def _start_fleet(group: Group, phase_s: float, engines: int, env: dict[str, str],
+                 out_dir: Path) -> subprocess.Popen[bytes]:
+    """`tabletune twin fleet` for one group, as its own process: the command a user runs,
+    and the groups' engines then step on every core instead of sharing one interpreter.
+    Engine 0 runs the comparison's seed; engine ids are `<group>-<i>`."""
+    scenario = out_dir / f"{group.name}-fleet.toml"
+    scenario.write_text(group.scenario_text(0, phase_s, engine_id=group.name))
+    with open(out_dir / f"{group.name}-fleet.json", "w") as out, \
+            open(out_dir / f"{group.name}-fleet.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tabletune.cli", "twin", "fleet", "--scenario",
+             str(scenario), "--engines", str(engines), "--speedup", str(DEMO_SPEEDUP),
+             "--json"], env={**os.environ, **env}, stdout=out, stderr=log)
 
-    scenario = parse_scenario(group.scenario_text(0, phase_s), base_dir=Path("."),
-                              name=group.name)
-    return dataclasses.replace(scenario, engine=dataclasses.replace(
-        scenario.engine, engine_id=group.name))
+
+def _fleet_result(fleet: subprocess.Popen[bytes]) -> dict[str, Any]:
+    scenario = Path(fleet.args[fleet.args.index("--scenario") + 1])
+    output = scenario.with_suffix(".json")
+    if fleet.wait() != 0:
+        log = scenario.with_suffix(".log").read_text()
+        raise RuntimeError(f"tabletune twin fleet --scenario {scenario} failed:\n{log}")
+    return json.loads(output.read_text())
 
 
 def _collect(result: GroupResult, run: dict[str, Any], decisions: list[dict[str, Any]],
-             envelopes: list[TableEnvelope], epoch_s: float) -> None:
+             envelopes: list[TableEnvelope]) -> None:
     result.live = list(run["engines"].values())
+    epoch_s = run["epoch_s"]
     key = str(result.key)
     result.tables = [(d["t_s"] - epoch_s, d["version"], d["table"]) for d in decisions
                      if d["key"] == key and d["what"] == "stage"]

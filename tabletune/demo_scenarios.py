@@ -56,10 +56,11 @@ class Group:
     output_len: int
 
     def scenario_text(self, engine_index: int, phase_s: float, seed: int = 1,
-                      phases: int = 2, concurrency: int | None = None) -> str:
+                      phases: int = 2, concurrency: int | None = None,
+                      engine_id: str | None = None) -> str:
         text = _TEMPLATE.format(
             seed=seed + engine_index, name=f"{self.name}-{engine_index}",
-            engine_id=f"{self.name}-{engine_index}", method=self.method, phase_s=phase_s,
+            engine_id=engine_id or f"{self.name}-{engine_index}", method=self.method, phase_s=phase_s,
             concurrency=concurrency or self.concurrency, before_name=self.before_name,
             before=list(self.before), after_name=self.after_name, after=list(self.after),
             prompt_len=self.prompt_len, output_len=self.output_len)

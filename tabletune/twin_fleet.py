@@ -115,7 +115,7 @@ class Fleet:
             raise failed[0]
         engines = {run.engine_id: run.summary for run in self.engines}
         return {"scenario": self.scenario.name, "policy": "tables-topic",
-                "speedup": self.config.speedup, "engines": engines,
+                "speedup": self.config.speedup, "epoch_s": self.epoch_s, "engines": engines,
                 "timeline": _fleet_timeline(self.engines),
                 "output_tokens_per_s": float(np.mean([s["output_tokens_per_s"]
                                                       for s in engines.values()]))}

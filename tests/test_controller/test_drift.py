@@ -75,6 +75,29 @@ def test_acceptance_shift_is_flagged_with_its_magnitude() -> None:
     assert detector.state is DriftState.STALE
 
 
+def _concat(parts: list[StepColumns]) -> StepColumns:
+    return StepColumns(**{name: np.concatenate([getattr(p, name) for p in parts])
+                          for name in StepColumns.__dataclass_fields__})
+
+
+@pytest.mark.parametrize("batch_s", [1, 5, 20])
+def test_a_drift_is_flagged_however_the_records_are_batched(batch_s: int) -> None:
+    """A service that falls behind reads the same steps in larger batches: the detector's
+    chunks are telemetry seconds, so it still sees the drift, at the same step."""
+    rng = np.random.default_rng(1)
+    seconds = [steps(rng, float(t), 60) for t in range(0, 40)]
+    seconds += [steps(rng, float(t), 60, acceptance_factor=1.3) for t in range(40, 80)]
+    detector = fresh()
+    reports = [detector.observe(_concat(seconds[i:i + batch_s]))
+               for i in range(0, len(seconds), batch_s)]
+    found = [r for r in reports if r is not None]
+    assert len(found) == 1 and found[0].signal == "acceptance"
+    one_by_one = fresh()
+    expected = [r for r in (one_by_one.observe(part) for part in seconds) if r is not None]
+    assert found[0].steps == expected[0].steps
+    assert found[0].magnitude == pytest.approx(expected[0].magnitude)
+
+
 def test_latency_shift_is_flagged() -> None:
     rng = np.random.default_rng(2)
     detector = fresh()

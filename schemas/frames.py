@@ -218,6 +218,19 @@ def upgrade_version_1(table: pa.Table) -> pa.Table:
 
 
 def _conform(table: pa.Table) -> pa.Table:
+    """`table` with exactly `STEP_RECORD_SCHEMA`, or a FrameError naming the column. A frame
+    from this schema's own writer takes one schema comparison, not one per nested field: a
+    consumer decodes hundreds of frames a second."""
+    if not table.schema.equals(STEP_RECORD_SCHEMA, check_metadata=False):
+        table = _select_known_columns(table)
+    for name, column in zip(table.schema.names, table.columns, strict=True):
+        if column.null_count:
+            raise FrameError("wrong_type", f"column {name} holds nulls")
+    return table.replace_schema_metadata(STEP_RECORD_SCHEMA.metadata)
+
+
+def _select_known_columns(table: pa.Table) -> pa.Table:
+    """The schema's columns in its order, each of its type (extra columns are dropped)."""
     names = set(table.schema.names)
     missing = [f.name for f in STEP_RECORD_SCHEMA if f.name not in names]
     if missing:
@@ -229,8 +242,4 @@ def _conform(table: pa.Table) -> pa.Table:
                 "wrong_type",
                 f"column {expected.name} is {actual}, expected {expected.type}",
             )
-    table = table.select(list(STEP_RECORD_SCHEMA.names))
-    for expected in STEP_RECORD_SCHEMA:
-        if table.column(expected.name).null_count:
-            raise FrameError("wrong_type", f"column {expected.name} holds nulls")
-    return table.replace_schema_metadata(STEP_RECORD_SCHEMA.metadata)
+    return table.select(list(STEP_RECORD_SCHEMA.names))

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the whole system on this machine and write a report",
         description="The production path on an embedded broker: `tabletune control` as a "
         "child process, the ingest job writing Parquet, and a twin fleet (EAGLE and n-gram "
-        "groups, paced at 10x real time) whose tables come only from the tables topic: "
+        "groups, paced at 5x real time) whose tables come only from the tables topic: "
         "cold profile, first table, a drift, stale, canary re-profile, new table. Then the "
         "batch fit from the Parquet, and fixed K, vLLM's example table and the stale table "
         "on the same traffic. Writes OUT/report.md with PNG plots. A few minutes on 2 "

@@ -17,6 +17,7 @@ from typing import Protocol
 from kafka import KafkaProducer
 
 from controller.engine_feed import EngineFeed
+from fitter.kafka_clients import close_producer
 from schemas import TableControl, TableEnvelope
 from schemas.settings import Settings
 
@@ -50,6 +51,12 @@ class InMemoryChannel:
 
 RETRY_S = 2.0
 """After a failed send, the next try comes this much later."""
+ACK_TIMEOUT_S = 5.0
+"""How long one send waits for the broker's acknowledgement before the message is kept for
+the next try (a tick of the service stalls at most this long in an outage)."""
+CLOSE_S = 2.0
+"""At shutdown, what the producer gets to deliver what it holds; past it, the rest fails
+(a down broker must not hold the service's exit)."""
 MAX_UNSENT = 1024
 """Messages kept through a broker outage, oldest dropped first (a control service ticks once
 a second: minutes of decisions)."""
@@ -97,18 +104,20 @@ class KafkaChannel:
                     self._producer = KafkaProducer(**settings.client_kwargs(),
                                                    max_block_ms=2000, linger_ms=0)
                 self._producer.send(settings.topics.tables, key=str(message.key).encode(),
-                                    value=message.to_json()).get(timeout=5)
-            except Exception:  # a broker outage: kept for the next try
+                                    value=message.to_json()).get(timeout=ACK_TIMEOUT_S)
+            except Exception as exc:  # a broker outage: kept for the next try
                 self.errors += 1
-                log.warning("could not send %s to %s (%d waiting)", type(message).__name__,
-                            settings.topics.tables, len(self._unsent), exc_info=True)
-                self.close()
+                # one line per failed try, not a traceback every RETRY_S through an outage
+                log.warning("could not send %s to %s (%d waiting): %s", type(message).__name__,
+                            settings.topics.tables, len(self._unsent), exc)
+                self.close(timeout_s=0)  # it had ACK_TIMEOUT_S
                 self._retry_at = time.monotonic() + RETRY_S
                 return False
             self._unsent.pop(0)
         return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_S) -> None:
+        """Drop the producer; a message it still held stays in `_unsent` for the next one."""
         if self._producer is not None:
-            self._producer.close(timeout=2)
+            close_producer(self._producer, timeout_s)
             self._producer = None

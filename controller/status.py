@@ -15,6 +15,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
+from fitter.kafka_clients import close_producer
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class StatusPublisher:
         with self._lock:
             try:
                 if self._broken and self._producer is not None:
-                    self._producer.close(timeout=0)
+                    close_producer(self._producer, timeout_s=0)
                     self._producer = None
                 self._broken = False
                 if self._producer is None:
@@ -65,7 +66,7 @@ class StatusPublisher:
                 self.errors += 1
                 log.debug("status event not published", exc_info=True)
                 if self._producer is not None:
-                    self._producer.close(timeout=0)
+                    close_producer(self._producer, timeout_s=0)
                     self._producer = None
 
     def _delivery_failed(self, exc: BaseException) -> None:
@@ -74,9 +75,10 @@ class StatusPublisher:
         self.errors += 1
         self._broken = True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is pending within `timeout_s`; the rest is failed (a broker that is
+        down must not hold an engine's shutdown, nor leave a traceback in its log)."""
         with self._lock:
             if self._producer is not None:
-                self._producer.flush(timeout=5)
-                self._producer.close(timeout=1)
+                close_producer(self._producer, timeout_s)
                 self._producer = None

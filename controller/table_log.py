@@ -9,6 +9,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from fitter.kafka_clients import close_producer
 from schemas import (
     DraftTable,
     EnvelopeError,
@@ -39,7 +40,7 @@ def publish(settings: Settings, message: TableEnvelope | TableControl) -> int:
                                value=message.to_json())
         return int(future.get(timeout=15).offset)
     finally:
-        producer.close(timeout=5)
+        close_producer(producer, timeout_s=5)
 
 
 def control(key: TableKey, action: str, version: int | None = None,

@@ -68,6 +68,7 @@ from fitter.dataset import (
     hive_path,
     offset_files,
 )
+from fitter.kafka_clients import close_producer
 from schemas import FrameError, decode_frame
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
 from schemas.settings import Settings, SettingsError
@@ -296,7 +297,7 @@ class Ingestor:
         finally:
             consumer.close(autocommit=False)
             if self._dlq is not None:
-                self._dlq.close(timeout=5)
+                close_producer(self._dlq, timeout_s=5)
             self._release()
         return self.counters
 

@@ -20,10 +20,15 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from kafka import KafkaProducer
 
+from fitter.kafka_clients import close_producer
 from schemas import Frame, encode_frame
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+
+FINAL_SEND_S = 1.0
+"""At close, how long frames handed to the producer after close()'s flush may take before
+they are failed (a broker that is down would otherwise hold the engine's shutdown)."""
 
 
 class SinkError(ValueError):
@@ -93,6 +98,16 @@ class KafkaSink:
             self.dropped_records += oldest.num_records
 
     def _run(self) -> None:
+        try:
+            self._send_until_closed()
+        finally:
+            # This thread owns the producer: closed here, even when close() gave up waiting
+            # for the thread (blocked in a new producer's bootstrap during an outage).
+            producer, self._producer = self._producer, None
+            if producer is not None:
+                close_producer(producer, timeout_s=FINAL_SEND_S)
+
+    def _send_until_closed(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -177,13 +192,11 @@ class KafkaSink:
     def _stop_producer(self) -> None:
         # kafka-python's idempotent producer cannot recover from a broker that lost its
         # producer ids (a restart): a fresh producer is the only reliable way back.
+        # Its frames still in flight fail (errbacks re-queue them); none waits for a broker.
         producer, self._producer = self._producer, None
         if producer is not None:
             self.producer_restarts += 1
-            try:
-                producer.close(timeout=0)
-            except Exception:  # closing a broken producer may itself fail
-                log.debug("closing the broken producer failed", exc_info=True)
+            close_producer(producer, timeout_s=0)
         with self._cond:
             for token, frame in list(self._in_flight.items()):
                 self._queue.appendleft(frame)
@@ -215,9 +228,6 @@ class KafkaSink:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=timeout_s)
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            producer.close(timeout=1)
 
     def counters(self) -> dict[str, int]:
         with self._cond:

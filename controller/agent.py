@@ -41,6 +41,9 @@ class TableAgentState:
     """Desired versions in the order they were chosen (for rollback)."""
     forced: TableControl | None = None
     """The `force` in effect until its release or expiry (over whatever version is desired)."""
+    folded_controls: set[str] = field(default_factory=set)
+    """Ids of the authentic controls folded so far: one met again is a replay. A few dozen
+    bytes per control, and a key sees a few dozen controls per re-profile."""
 
 
 class TableAgent:
@@ -56,8 +59,9 @@ class TableAgent:
         self.state = TableAgentState()
 
     # ---- inputs ---------------------------------------------------------------------------
-    def on_envelope(self, envelope: TableEnvelope) -> bool:
-        """Validate and keep `envelope`; False (and a `rejected` event) when refused."""
+    def on_envelope(self, envelope: TableEnvelope, offset: int | None = None) -> bool:
+        """Validate and keep `envelope`; False (and a `rejected` event, with the log offset
+        when known) when refused."""
         state = self.state
         try:
             check_envelope(envelope, self.limits, self.keyring)
@@ -66,7 +70,7 @@ class TableAgent:
                                 f"than {state.newest_version}")
         except Rejection as exc:
             self.emit("rejected", version=envelope.version, reason=exc.reason,
-                      detail=exc.detail)
+                      detail=exc.detail, **_at(offset))
             return False
         state.accepted[envelope.version] = envelope
         state.newest_version = envelope.version
@@ -74,16 +78,23 @@ class TableAgent:
             self._desire(envelope.version)
         return True
 
-    def on_control(self, control: TableControl) -> None:
+    def on_control(self, control: TableControl, offset: int | None = None) -> None:
+        """Fold a control of this key meant for this engine; a forged one, or a copy of one
+        folded before (a replay), is refused with a `rejected` event naming it."""
         if control.key != self.limits.key or not control.applies_to(self.engine_id):
             return
+        named = {"control": control.action, "control_id": control.control_id, **_at(offset)}
         if self.keyring:
             try:
                 control.verify(self.keyring)
             except SignatureError as exc:
-                self.emit("rejected", control=control.action, reason=exc.reason,
-                          detail=str(exc))
+                self.emit("rejected", reason=exc.reason, detail=str(exc), **named)
                 return
+        if control.control_id in self.state.folded_controls:
+            self.emit("rejected", reason="replayed", detail=f"control {control.control_id} "
+                      "was folded before: this is a copy sent again", **named)
+            return
+        self.state.folded_controls.add(control.control_id)
         handler = {"pin": self._pin, "unpin": self._unpin, "rollback": self._rollback,
                    "force": self._force, "release": self._release}
         handler[control.action](control)
@@ -160,3 +171,8 @@ class TableAgent:
     def desired(self) -> TableEnvelope | None:
         """The envelope the engine should run (None: its startup table)."""
         return self.state.accepted.get(self.state.desired_version)
+
+
+def _at(offset: int | None) -> dict[str, int]:
+    """The `offset` field of an event about a message read from the log (none in memory)."""
+    return {} if offset is None else {"offset": offset}

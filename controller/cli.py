@@ -147,11 +147,13 @@ def run_publish(args: argparse.Namespace) -> int:
 
 
 def run_control(args: argparse.Namespace) -> int:
+    """Publish a new control: each run issues a fresh id, so running it again is a second
+    command, while its bytes sent again are a replay that engines refuse."""
     key = TableKey.parse(args.key)
     message = control(key, args.action, args.version)
     offset = publish(_settings(args), message)
     print(json.dumps({"control": args.action, "key": str(key), "version": args.version,
-                      "offset": offset}))
+                      "id": message.control_id, "offset": offset}))
     return 0
 
 
@@ -167,7 +169,7 @@ def run_show(args: argparse.Namespace) -> int:
                             "signed_by": env.signature.key_id if env.signature else None})
         elif isinstance(entry.message, TableControl):
             history.append({"offset": entry.offset, "control": entry.message.action,
-                            "version": entry.message.version,
+                            "id": entry.message.control_id, "version": entry.message.version,
                             "issued_at": entry.message.issued_at})
         else:
             history.append({"offset": entry.offset, "error": entry.error})

@@ -58,19 +58,24 @@ class EngineFeed:
 
     # ---- messages -------------------------------------------------------------------------
     def handle_bytes(self, value: bytes, offset: int | None = None) -> None:
-        """A raw tables-topic value of this engine's key; unparseable ones are rejected."""
+        """A raw tables-topic value of this engine's key; one that is malformed or breaks a
+        bound is rejected before anything is built from it."""
         try:
             message = parse_table_message(value)
-        except (EnvelopeError, TableError) as exc:
+        except EnvelopeError as exc:
+            self.agent.on_rejected_message(exc.reason, str(exc), offset=offset)
+            return
+        except TableError as exc:
             self.agent.on_rejected_message("bad_envelope", str(exc), offset=offset)
             return
-        self.handle(message)
+        self.handle(message, offset)
 
-    def handle(self, message: TableEnvelope | TableControl) -> None:
+    def handle(self, message: TableEnvelope | TableControl, offset: int | None = None) -> None:
+        """Fold one message; `offset`: where it is in the log (None: in memory)."""
         if isinstance(message, TableControl):
-            self.agent.on_control(message)
+            self.agent.on_control(message, offset)
         else:
-            self.agent.on_envelope(message)
+            self.agent.on_envelope(message, offset)
 
     # ---- the switch -----------------------------------------------------------------------
     def sync(self) -> None:
@@ -94,9 +99,13 @@ class EngineFeed:
             self._staged_version = None
         if version == self._last_desired:
             return
-        self._last_desired = version
-        if version == switch.version and not switch.pending and not switch.forced:
-            return
+        if version != switch.version or switch.pending or switch.forced:
+            self._stage(desired, version)
+        self._last_desired = version  # only once staged or refused: a surprise stages again
+
+    def _stage(self, desired: TableEnvelope | None, version: int) -> None:
+        """Stage the desired table with its explorer (the startup table for version 0)."""
+        switch = self.switch
         table = switch.startup_table if desired is None else desired.table
         explorer = None
         if desired is not None:

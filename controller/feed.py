@@ -4,7 +4,8 @@ It reads the whole topic from the beginning with no consumer group (every engine
 message of its key; nothing is committed) and hands its key's messages in order to an
 `EngineFeed`, which folds them and stages the agent's desired table into the engine's
 `TableSwitch` after each poll. It confirms `applied` once the engine has switched at a step
-boundary.
+boundary. After a failure (a broker outage, a surprise) it reconnects where it stopped: the
+fold already holds what came before, and folding it again would repeat every event of it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class TableFeed:
                 version, previous, desired.surface if desired is not None else None,
                 at_s=clock().timestamp())
         self.key_bytes = str(limits.key).encode()
+        self._next_offsets: dict[int, int] = {}
+        """Partition -> the offset after the last message handed to the fold."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tabletune-table-feed",
                                         daemon=True)
@@ -92,10 +95,17 @@ class TableFeed:
                 return
             assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
             consumer.assign(assigned)
-            consumer.seek_to_beginning(*assigned)
+            for tp in assigned:
+                if tp.partition in self._next_offsets:
+                    consumer.seek(tp, self._next_offsets[tp.partition])
+                else:
+                    consumer.seek_to_beginning(tp)
             while not self._stop.is_set():
                 for messages in consumer.poll(timeout_ms=200).values():
                     for message in messages:
+                        # past it first: one whose fold fails (`_run` logs it) is not
+                        # folded again on reconnecting; the ones after it are
+                        self._next_offsets[message.partition] = message.offset + 1
                         if message.key == self.key_bytes:
                             self.core.handle_bytes(message.value, message.offset)
                 if self.watch is not None:

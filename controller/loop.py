@@ -59,6 +59,7 @@ from controller.steps import StepColumns
 from controller.sweep import Sweep, confirmation_k_values, first_position_acceptance
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope
+from schemas.control import new_control_id
 
 log = logging.getLogger(__name__)
 
@@ -532,8 +533,9 @@ class ClosedLoop:
                targets: tuple[str, ...]) -> None:
         self.channel.send(TableControl(
             key=self.limits.key, action="force", version=None,
-            issued_at=clock_time(now_s).isoformat(), issued_by="tabletune-control",
-            table=table, expires_at=clock_time(until_s).isoformat(), targets=targets))
+            issued_at=clock_time(now_s).isoformat(), control_id=new_control_id(),
+            issued_by="tabletune-control", table=table,
+            expires_at=clock_time(until_s).isoformat(), targets=targets))
         self._forcing = targets
 
     def release_forces(self) -> None:
@@ -545,8 +547,8 @@ class ClosedLoop:
             return
         self.channel.send(TableControl(
             key=self.limits.key, action="release", version=None,
-            issued_at=clock_time(now_s).isoformat(), issued_by="tabletune-control",
-            targets=self._forcing))
+            issued_at=clock_time(now_s).isoformat(), control_id=new_control_id(),
+            issued_by="tabletune-control", targets=self._forcing))
         self._forcing = None
 
     def _note_engines(self, records: pa.Table, now_s: float) -> pa.Table:

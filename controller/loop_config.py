@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from controller.drift import DriftConfig
 from controller.exploration import ExplorationConfig
 from controller.guardrail import GuardrailConfig
+from schemas.control import MAX_FORCE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +90,8 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.canary_share={self.canary_share} must be in (0, 1]")
         if self.half_life_s is not None and self.half_life_s <= 0:
             raise ValueError(f"LoopConfig.half_life_s={self.half_life_s} must be > 0")
+        longest = max(self.profile_block_s, self.reprofile_block_s, self.confirm_block_s)
+        if longest + self.force_grace_s > MAX_FORCE_S:
+            raise ValueError(f"LoopConfig: a block of {longest} s and force_grace_s="
+                             f"{self.force_grace_s} make forces longer than engines take "
+                             f"({MAX_FORCE_S:.0f} s)")

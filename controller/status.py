@@ -10,7 +10,7 @@ import datetime as dt
 import json
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from kafka import KafkaProducer
@@ -30,6 +30,10 @@ class StatusPublisher:
         self.engine_id = engine_id
         self.table_key = table_key
         self.recent: deque[dict[str, Any]] = deque(maxlen=history)
+        self.counts: Counter[str] = Counter()
+        """Events emitted, by name, since start: the counters the ring cannot be."""
+        self.rejections: Counter[str] = Counter()
+        """`rejected` events by reason (`replayed`, `bad_envelope`, `too_large`, ...)."""
         self.errors = 0
         self._producer: KafkaProducer | None = None
         self._broken = False
@@ -43,6 +47,9 @@ class StatusPublisher:
                    "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
                    **fields}
         self.recent.append(payload)
+        self.counts[event] += 1
+        if event == "rejected":
+            self.rejections[str(fields.get("reason"))] += 1
         log.info("table status %s", payload)
         if self.settings is not None and self.settings.bootstrap_servers:
             self._publish(payload)

@@ -19,6 +19,7 @@ from schemas import (
     TableKey,
     parse_table_message,
 )
+from schemas.control import new_control_id
 from schemas.settings import Settings
 
 
@@ -45,18 +46,19 @@ def publish(settings: Settings, message: TableEnvelope | TableControl) -> int:
 
 def control(key: TableKey, action: str, version: int | None = None,
             issued_by: str = "operator") -> TableControl:
+    """A new control, with its own id: publishing it twice would be a replay."""
     return TableControl(key=key, action=action, version=version,
                         issued_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                        issued_by=issued_by)
+                        control_id=new_control_id(), issued_by=issued_by)
 
 
 def force(key: TableKey, table: DraftTable, *, hold_s: float,
           issued_by: str = "profiler") -> TableControl:
-    """A `force` of `table` that expires `hold_s` seconds from now."""
-    now = dt.datetime.now(dt.UTC)
-    return TableControl(key=key, action="force", version=None,
-                        issued_at=now.isoformat(timespec="seconds"), issued_by=issued_by,
-                        table=table,
+    """A new `force` of `table` that expires `hold_s` seconds from now (EnvelopeError past
+    `schemas.control.MAX_FORCE_S`)."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    return TableControl(key=key, action="force", version=None, issued_at=now.isoformat(),
+                        control_id=new_control_id(), issued_by=issued_by, table=table,
                         expires_at=(now + dt.timedelta(seconds=hold_s)).isoformat())
 
 

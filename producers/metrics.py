@@ -85,8 +85,9 @@ def engine_counters(recorder: Any, switch: Any, feed: Any) -> dict[str, float]:
         out["exploration_probes_total"] = getattr(explorer, "probes", 0)
         out["exploration_share_target"] = 1.0 / explorer.period if explorer else 0.0
     if feed is not None:
-        events = [e["event"] for e in feed.status.recent]
-        out["table_rejections_total"] = events.count("rejected")
-        out["table_rollbacks_total"] = events.count("rolled_back")
-        out["table_stale_total"] = events.count("stale")
+        counts = feed.status.counts
+        out["table_rejections_total"] = counts["rejected"]
+        out["table_replayed_controls_total"] = feed.status.rejections["replayed"]
+        out["table_rollbacks_total"] = counts["rolled_back"]
+        out["table_stale_total"] = counts["stale"]
     return out

@@ -7,11 +7,16 @@ version before the active one. `force` runs a given table until `release` or unt
 for an engine that replays the log after a restart. Keeping commands in the same keyed log
 as the tables means an engine that reads the log from the beginning folds to the same state
 as one that followed it live, with no second channel to keep consistent.
+
+Every control carries an `id`, under its signature, issued once (`new_control_id`): engines
+remember the ids they folded, so the same control sent again, at a later offset, is a replay
+and is refused. An engine reading the log from the beginning meets each original once, and
+every copy after it, so it refuses the same copies as it did live.
 """
 
 from __future__ import annotations
 
-import json
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -19,17 +24,32 @@ from typing import Any
 
 from schemas.draft_table import DraftTable
 from schemas.envelope import (
+    MAX_VERSION,
     EnvelopeError,
     Signature,
+    TableEnvelope,
     TableKey,
     canonical_json,
     hmac_hex,
+    integer,
+    load_json_object,
+    sequence,
+    text,
+    timestamp,
     verify_mac,
 )
 
 ACTIONS = ("pin", "unpin", "rollback", "force", "release")
 MAX_TARGETS = 4096
 """Engine ids one control may name: a key's fleet, with room; bounds what a reader allocates."""
+MAX_FORCE_S = 3600.0
+"""Longest a force may hold (expires_at - issued_at), keys or not: a profiler cell or a sweep
+block with its grace lasts minutes, and an hour bounds what one lost release can hold."""
+
+
+def new_control_id() -> str:
+    """A fresh control id (random, so no two issuers need to agree on a sequence)."""
+    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +59,9 @@ class TableControl:
     version: int | None
     """Target version for `pin` (and the version rolled back to, once resolved)."""
     issued_at: str
+    """ISO-8601 time, with its zone; a force's duration counts from it."""
+    control_id: str
+    """Unique per control (`new_control_id`): a second message with it is a replay."""
     issued_by: str = "operator"
     signature: Signature | None = None
     table: DraftTable | None = None
@@ -50,25 +73,33 @@ class TableControl:
     the key."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.key, TableKey):
+            raise EnvelopeError("a control needs a TableKey")
+        if self.action not in ACTIONS:
+            raise EnvelopeError(f"control action {self.action!r} is not one of {ACTIONS}")
+        text(self.control_id, "control id")
+        text(self.issued_by, "issued_by")
+        issued = _zoned(self.issued_at, "issued_at")
+        if self.version is not None:
+            integer(self.version, "version", 0, MAX_VERSION)
         if len(self.targets) > MAX_TARGETS:
             raise EnvelopeError(f"a control names {len(self.targets)} targets, more than "
                                 f"{MAX_TARGETS}")
-        if any(not isinstance(t, str) or not t for t in self.targets):
-            raise EnvelopeError("control targets must be non-empty engine ids")
-        if self.action not in ACTIONS:
-            raise EnvelopeError(f"control action {self.action!r} is not one of {ACTIONS}")
+        for target in self.targets:
+            text(target, "control targets")
         if self.action == "pin" and (self.version is None or self.version < 1):
             raise EnvelopeError("a pin needs a version >= 1")
-        if self.action == "force":
-            if self.table is None or self.expires_at is None:
-                raise EnvelopeError("a force needs a table and expires_at")
-            try:
-                expiry = datetime.fromisoformat(self.expires_at)
-            except ValueError:
-                raise EnvelopeError(f"expires_at {self.expires_at!r} is not an ISO-8601 "
-                                    "time") from None
-            if expiry.tzinfo is None:
-                raise EnvelopeError(f"expires_at {self.expires_at!r} has no time zone")
+        if self.action != "force":
+            if self.table is not None or self.expires_at is not None:
+                raise EnvelopeError(f"a {self.action} carries no table or expires_at")
+            return
+        if self.table is None or self.expires_at is None:
+            raise EnvelopeError("a force needs a table and expires_at")
+        held_s = (_zoned(self.expires_at, "expires_at") - issued).total_seconds()
+        if held_s > MAX_FORCE_S:
+            raise EnvelopeError(f"a force of {held_s:.0f} s (issued_at to expires_at) is "
+                                f"longer than the {MAX_FORCE_S:.0f} s a force may hold",
+                                reason="force_too_long")
 
     def applies_to(self, engine_id: str | None) -> bool:
         """Whether an engine with this id follows the control (one with no id: untargeted
@@ -85,6 +116,7 @@ class TableControl:
             "key": {"model": self.key.model, "drafter": self.key.drafter,
                     "hardware": self.key.hardware},
             "version": self.version, "issued_at": self.issued_at, "issued_by": self.issued_by,
+            "id": self.control_id,
         }
         if self.table is not None:
             out["table"] = self.table.to_vllm()
@@ -103,31 +135,26 @@ class TableControl:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TableControl:
+        """Parse a JSON object; types are checked here, bounds in `__post_init__`."""
         try:
-            key = data["key"]
             signature = data.get("signature")
             version = data.get("version")
             table = data.get("table")
-            expires_at = data.get("expires_at")
-            targets = data.get("targets", [])
-            if not isinstance(targets, list):
-                raise EnvelopeError("control targets must be a list of engine ids")
             return cls(
-                key=TableKey(str(key["model"]), str(key["drafter"]), str(key["hardware"])),
-                action=str(data["control"]),
-                version=None if version is None else int(version),
-                issued_at=str(data["issued_at"]),
-                issued_by=str(data.get("issued_by", "operator")),
-                signature=None if signature is None else Signature(
-                    key_id=str(signature["key_id"]), mac_hex=str(signature["mac"]),
-                    algorithm=str(signature.get("algorithm", "HMAC-SHA256"))),
+                key=TableKey.from_dict(data["key"]),
+                action=data["control"],
+                version=None if version is None else integer(version, "version"),
+                issued_at=data["issued_at"],
+                control_id=data["id"],
+                issued_by=data.get("issued_by", "operator"),
+                signature=None if signature is None else Signature.from_dict(signature),
                 table=None if table is None else DraftTable.from_vllm(table),
-                expires_at=None if expires_at is None else str(expires_at),
-                targets=tuple(targets),
+                expires_at=data.get("expires_at"),
+                targets=tuple(sequence(data.get("targets", []), "control targets")),
             )
         except KeyError as exc:
             raise EnvelopeError(f"control field {exc.args[0]!r} is missing") from None
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, AttributeError) as exc:
             raise EnvelopeError(f"control is malformed ({exc})") from None
 
     def unsigned_payload(self) -> dict[str, Any]:
@@ -143,19 +170,20 @@ class TableControl:
         verify_mac(self.signature, canonical_json(self.unsigned_payload()), keyring)
 
 
-def parse_table_message(raw: bytes | str) -> Any:
-    """A tables-topic value: a `TableEnvelope` or a `TableControl` (EnvelopeError if neither)."""
-    from schemas.envelope import TableEnvelope
-
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EnvelopeError(f"not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise EnvelopeError("a tables-topic message must be a JSON object")
+def parse_table_message(raw: bytes | str) -> TableEnvelope | TableControl:
+    """A tables-topic value: a `TableEnvelope` or a `TableControl` (EnvelopeError if neither,
+    or if any field breaks its bounds; `reason` says which kind of refusal)."""
+    data = load_json_object(raw, "a tables-topic message")
     if "control" in data:
         return TableControl.from_dict(data)
     return TableEnvelope.from_dict(data)
 
 
-__all__ = ["ACTIONS", "TableControl", "parse_table_message"]
+def _zoned(value: Any, name: str) -> datetime:
+    moment = timestamp(value, name)
+    if moment.tzinfo is None:
+        raise EnvelopeError(f"{name} {value!r} has no time zone")
+    return moment
+
+
+__all__ = ["ACTIONS", "MAX_FORCE_S", "TableControl", "new_control_id", "parse_table_message"]

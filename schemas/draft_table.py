@@ -17,6 +17,14 @@ class TableError(ValueError):
 
 
 Range = tuple[int, int, int]
+MAX_TABLE_RANGES = 1024
+"""A table changes K a handful of times over its batch sizes, and vLLM scans the ranges on
+each lookup: a bound on what a parse builds."""
+
+
+def _check_range_count(count: int) -> None:
+    if count > MAX_TABLE_RANGES:
+        raise TableError(f"a table of {count} ranges has more than {MAX_TABLE_RANGES} ranges")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +33,16 @@ class DraftTable:
 
     ranges: tuple[Range, ...]
 
+    def __post_init__(self) -> None:
+        _check_range_count(len(self.ranges))
+
     @classmethod
     def from_vllm(cls, triples: object) -> DraftTable:
-        """Parse vLLM's list of `[start, end, K]` (shape checks only; see `validate`)."""
+        """Parse vLLM's list of `[start, end, K]` (shape checks only; see `validate`); the
+        count is checked before any entry is."""
         if not isinstance(triples, list | tuple) or not triples:
             raise TableError("a table is a non-empty list of [start, end, K] triples")
+        _check_range_count(len(triples))
         parsed: list[Range] = []
         for index, entry in enumerate(triples):
             if not isinstance(entry, list | tuple) or len(entry) != 3:

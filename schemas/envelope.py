@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from schemas.draft_table import DraftTable, TableError
@@ -19,10 +21,39 @@ from schemas.draft_table import DraftTable, TableError
 ENVELOPE_FORMAT = 1
 SIGNATURE_ALGORITHM = "HMAC-SHA256"
 KEY_SEPARATOR = "|"
+MAX_ENVELOPE_BYTES = 1 << 20
+"""Kafka's default message limit (max.message.bytes, 1 MiB): a broker on defaults takes no
+larger, and a fitted envelope is ~25 KB at max_batch 256. Checked before parsing."""
+MAX_BATCH_SIZE = 1 << 14
+"""Far above any vLLM max_num_seqs in service; bounds what a reader sizes per batch size."""
+MAX_K = 64
+"""Far above any drafter's num_speculative_tokens; bounds what a reader sizes per K (the
+drift detector's (batch size, K) grid)."""
+MAX_VERSION = 2**63 - 1
+"""Versions are int64 in other readers (Java, Go); JSON alone allows any integer."""
+MAX_NAME_CHARS = 256
+"""Key fields, key ids, issuers, engine and control ids: HF model ids and GPU names are
+under 100 characters."""
+MAX_SIGNATURE_CHARS = 512
+"""An HMAC-SHA256 is 64 hex digits, an Ed25519 signature 128: room for either."""
+MAX_TIME_CHARS = 64
+"""An ISO-8601 time with microseconds and a zone is 32 characters."""
+SURFACE_GRIDS = ("goodput_tok_s", "goodput_stderr_tok_s", "latency_s", "latency_stderr_s")
+"""Surface fields with one number per (batch size, K) cell, which readers index by both."""
+SURFACE_PER_K = ("acceptance_length", "acceptance_length_stderr", "tokens_per_request")
+"""Surface fields with one number per K of `surface.k_values`."""
+SURFACE_SCALARS = {"draft_share": 1.0, "draft_share_stderr": None,
+                   "latency_residual_scale": None}
+"""Surface numbers and their upper bounds (None: any finite value >= 0)."""
 
 
 class EnvelopeError(ValueError):
-    """An envelope that cannot be parsed; the message names the field."""
+    """A message that cannot be parsed or breaks a bound; the message names the field and
+    `reason` is a stable code for the status topic."""
+
+    def __init__(self, detail: str, reason: str = "bad_envelope") -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class SignatureError(ValueError):
@@ -43,12 +74,17 @@ class TableKey:
 
     def __post_init__(self) -> None:
         for name in ("model", "drafter", "hardware"):
-            value = getattr(self, name)
-            if not value or KEY_SEPARATOR in value:
+            value = text(getattr(self, name), f"key.{name}")
+            if KEY_SEPARATOR in value:
                 raise EnvelopeError(f"key.{name} {value!r} must be non-empty without '|'")
 
     def __str__(self) -> str:
         return KEY_SEPARATOR.join((self.model, self.drafter, self.hardware))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TableKey:
+        data = mapping(data, "key")
+        return cls(data["model"], data["drafter"], data["hardware"])
 
     @classmethod
     def parse(cls, text: str) -> TableKey:
@@ -63,6 +99,17 @@ class Signature:
     key_id: str
     mac_hex: str
     algorithm: str = SIGNATURE_ALGORITHM
+
+    def __post_init__(self) -> None:
+        text(self.key_id, "signature.key_id")
+        text(self.mac_hex, "signature.mac", MAX_SIGNATURE_CHARS)
+        text(self.algorithm, "signature.algorithm")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Signature:
+        data = mapping(data, "signature")
+        return cls(key_id=data["key_id"], mac_hex=data["mac"],
+                   algorithm=data.get("algorithm", SIGNATURE_ALGORITHM))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +136,27 @@ class TableEnvelope:
     signature: Signature | None = None
 
     def __post_init__(self) -> None:
-        if self.version < 1:
-            raise EnvelopeError(f"version {self.version} must be >= 1")
+        """Every field against its bounds, so a reader can size arrays from any of them."""
+        if not isinstance(self.key, TableKey) or not isinstance(self.table, DraftTable):
+            raise EnvelopeError("an envelope needs a TableKey and a DraftTable")
+        integer(self.version, "version", 1, MAX_VERSION)
+        integer(self.max_batch, "max_batch", 1, MAX_BATCH_SIZE)
+        k_values = {integer(k, "startup_k_values", 0, MAX_K) for k in self.startup_k_values}
+        if not k_values or len(k_values) != len(self.startup_k_values):
+            raise EnvelopeError(f"startup_k_values {list(self.startup_k_values)} must be "
+                                "distinct and at least one")
+        timestamp(self.created_at, "created_at")
+        mapping(self.provenance, "provenance")
         if self.predicted_goodput_tok_s and len(self.predicted_goodput_tok_s) != self.max_batch:
             raise EnvelopeError(
                 f"predicted_goodput_tok_s has {len(self.predicted_goodput_tok_s)} values, "
                 f"expected one per batch size 1..{self.max_batch}"
             )
+        numbers(self.predicted_goodput_tok_s, "predicted_goodput_tok_s")
+        _check_surface(mapping(self.surface, "surface"), self.max_batch, k_values)
+        _check_exploration(mapping(self.exploration, "exploration"), self.max_batch, k_values)
+        if self.signature is not None and not isinstance(self.signature, Signature):
+            raise EnvelopeError("signature must be a Signature")
 
     def validate(self) -> TableEnvelope:
         """The table is well formed for this envelope's limits and uses only startup K values."""
@@ -141,29 +202,24 @@ class TableEnvelope:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TableEnvelope:
+        """Parse a JSON object; types are checked here, bounds in `__post_init__`."""
         try:
             if data.get("format", ENVELOPE_FORMAT) != ENVELOPE_FORMAT:
                 raise EnvelopeError(f"format {data.get('format')!r} is unknown")
-            key = data["key"]
             signature = data.get("signature")
             return cls(
-                key=TableKey(str(key["model"]), str(key["drafter"]), str(key["hardware"])),
-                version=_int(data["version"], "version"),
+                key=TableKey.from_dict(data["key"]),
+                version=integer(data["version"], "version"),
                 table=DraftTable.from_vllm(data["table"]),
-                startup_k_values=tuple(_int(k, "startup_k_values") for k in
-                                       data["startup_k_values"]),
-                max_batch=_int(data["max_batch"], "max_batch"),
-                created_at=str(data["created_at"]),
-                provenance=dict(data.get("provenance", {})),
-                predicted_goodput_tok_s=tuple(float(g) for g in
-                                              data.get("predicted_goodput_tok_s", ())),
-                surface=dict(data.get("surface", {})),
-                exploration=dict(data.get("exploration", {})),
-                signature=None if signature is None else Signature(
-                    key_id=str(signature["key_id"]),
-                    mac_hex=str(signature["mac"]),
-                    algorithm=str(signature.get("algorithm", SIGNATURE_ALGORITHM)),
-                ),
+                startup_k_values=tuple(sequence(data["startup_k_values"], "startup_k_values")),
+                max_batch=integer(data["max_batch"], "max_batch"),
+                created_at=data["created_at"],
+                provenance=dict(mapping(data.get("provenance", {}), "provenance")),
+                predicted_goodput_tok_s=tuple(sequence(data.get("predicted_goodput_tok_s", ()),
+                                                       "predicted_goodput_tok_s")),
+                surface=dict(mapping(data.get("surface", {}), "surface")),
+                exploration=dict(mapping(data.get("exploration", {}), "exploration")),
+                signature=None if signature is None else Signature.from_dict(signature),
             )
         except KeyError as exc:
             raise EnvelopeError(f"envelope field {exc.args[0]!r} is missing") from None
@@ -172,13 +228,7 @@ class TableEnvelope:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> TableEnvelope:
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EnvelopeError(f"envelope is not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise EnvelopeError("envelope JSON must be an object")
-        return cls.from_dict(data)
+        return cls.from_dict(load_json_object(raw, "envelope"))
 
     def signed(self, key_id: str, secret: bytes) -> TableEnvelope:
         mac = hmac_hex(secret, canonical_json(self.unsigned_payload()))
@@ -214,7 +264,170 @@ def canonical_json(value: Any) -> bytes:
     ).encode()
 
 
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise EnvelopeError(f"{name} must be an integer, got {value!r}")
+def load_json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """`raw` as a JSON object: refused past `MAX_ENVELOPE_BYTES` before it is parsed, and
+    refused when it holds what canonical JSON never writes (NaN, infinities, integers of
+    thousands of digits) or nests deeper than the parser goes."""
+    size = len(raw.encode() if isinstance(raw, str) else raw)
+    if size > MAX_ENVELOPE_BYTES:
+        raise EnvelopeError(f"{what} of {size} bytes is larger than the {MAX_ENVELOPE_BYTES} "
+                            "bytes a tables-topic message may be", reason="too_large")
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise EnvelopeError(f"{what} is not JSON (nested too deeply)") from None
+    except ValueError as exc:  # bad syntax or UTF-8, NaN, infinities, huge integers
+        raise EnvelopeError(f"{what} is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise EnvelopeError(f"{what} must be an object, got a JSON {type(data).__name__}")
+    return data
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal} overflows to {value}")
     return value
+
+
+# ---- field checks: each names the field it refuses ------------------------------------------
+def integer(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EnvelopeError(f"{name} must be an integer, got {value!r}"[:200])
+    if low is not None and value < low:
+        raise EnvelopeError(f"{name} {value} must be >= {low}")
+    if high is not None and value > high:
+        raise EnvelopeError(f"{name} {value} must be <= {high}")
+    return value
+
+
+def number(value: Any, name: str, low: float | None = 0.0, high: float | None = None,
+           *, positive: bool = False) -> float:
+    """A finite JSON number within [low, high] (> 0 when `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value):
+        raise EnvelopeError(f"{name} must be a finite number, got {value!r}"[:200])
+    if positive and value <= 0:
+        raise EnvelopeError(f"{name} {value} must be > 0")
+    if low is not None and value < low:
+        raise EnvelopeError(f"{name} {value} must be >= {low}")
+    if high is not None and value > high:
+        raise EnvelopeError(f"{name} {value} must be <= {high}")
+    return float(value)
+
+
+def numbers(values: Any, name: str, length: int | None = None, *,
+            positive: bool = False) -> None:
+    """A list of finite numbers >= 0 (> 0 when `positive`), of `length` when given."""
+    values = sequence(values, name)
+    if length is not None and len(values) != length:
+        raise EnvelopeError(f"{name} has {len(values)} values, expected {length}")
+    for index, value in enumerate(values):
+        number(value, f"{name}[{index}]", positive=positive)
+
+
+def sequence(value: Any, name: str) -> Sequence[Any]:
+    if not isinstance(value, list | tuple):
+        raise EnvelopeError(f"{name} must be a list, got {type(value).__name__}")
+    return value
+
+
+def mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise EnvelopeError(f"{name} must be an object, got {type(value).__name__}")
+    return value
+
+
+def text(value: Any, name: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    if not isinstance(value, str) or not value:
+        raise EnvelopeError(f"{name} must be a non-empty string, got {value!r}"[:200])
+    if len(value) > max_chars:
+        raise EnvelopeError(f"{name} has {len(value)} characters, more than {max_chars}")
+    return value
+
+
+def timestamp(value: Any, name: str) -> datetime:
+    """An ISO-8601 time (`datetime.fromisoformat`: 2026-12-01T12:00:00+00:00, or ...Z)."""
+    try:
+        return datetime.fromisoformat(text(value, name, MAX_TIME_CHARS))
+    except ValueError:
+        raise EnvelopeError(f"{name} {value!r} is not an ISO-8601 time") from None
+
+
+def _axis(values: Any, name: str, low: int, high: int) -> list[int]:
+    """A grid axis: distinct integers in [low, high], increasing, at least one."""
+    axis = [integer(v, f"{name}[{i}]", low, high) for i, v in enumerate(sequence(values, name))]
+    if not axis or any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
+        raise EnvelopeError(f"{name} must be increasing and non-empty, got {axis[:16]}")
+    return axis
+
+
+def _check_surface(surface: Mapping[str, Any], max_batch: int, k_allowed: set[int]) -> None:
+    """The fields readers size arrays from or index (controller.drift, controller.refit_gate):
+    axes within the envelope's batch sizes and startup K set, every cell a finite number.
+    The fitter's other fields are any JSON, bounded by the message size."""
+    if not surface:
+        return
+    batch = _axis(surface.get("batch_sizes"), "surface.batch_sizes", 1, max_batch)
+    ks = _axis(surface.get("k_values"), "surface.k_values", 0, MAX_K)
+    outside = sorted(set(ks) - k_allowed)
+    if outside:
+        raise EnvelopeError(f"surface.k_values {outside} are not in startup_k_values "
+                            f"{sorted(k_allowed)}")
+    for name in SURFACE_GRIDS:
+        if name in surface:
+            rows = sequence(surface[name], f"surface.{name}")
+            if len(rows) != len(batch):
+                raise EnvelopeError(f"surface.{name} has {len(rows)} rows, expected one per "
+                                    f"batch size ({len(batch)})")
+            for index, row in enumerate(rows):
+                numbers(row, f"surface.{name}[{index}]", len(ks), positive=name == "latency_s")
+    for name in SURFACE_PER_K:
+        if name in surface:
+            numbers(surface[name], f"surface.{name}", len(ks))
+    if "latency_s" in surface and "acceptance_length" not in surface:
+        raise EnvelopeError("surface.latency_s needs surface.acceptance_length")
+    for name, high in SURFACE_SCALARS.items():
+        if name in surface:
+            number(surface[name], f"surface.{name}", 0.0, high)
+
+
+def _check_exploration(plan: Mapping[str, Any], max_batch: int, k_allowed: set[int]) -> None:
+    """What the engine's explorer reads (controller.exploration.plan_candidates): buckets
+    within 1..max_batch that do not overlap, candidate K values in the startup set, and the
+    plan's numbers finite."""
+    for name in ("tolerance", "min_probability", "min_expected_gain"):
+        if name in plan:
+            number(plan[name], f"exploration.{name}")
+    covered: list[tuple[int, int]] = []
+    for index, bucket in enumerate(sequence(plan.get("buckets", []), "exploration.buckets")):
+        where = f"exploration.buckets[{index}]"
+        bucket = mapping(bucket, where)
+        start = integer(bucket.get("batch_start"), f"{where}.batch_start", 1, max_batch)
+        end = integer(bucket.get("batch_end"), f"{where}.batch_end", 1, max_batch)
+        if start > end:
+            raise EnvelopeError(f"{where} starts at batch size {start}, after its end {end}")
+        if "chosen_k" in bucket:
+            integer(bucket["chosen_k"], f"{where}.chosen_k", 0, MAX_K)
+        if "expected_gain" in bucket:
+            number(bucket["expected_gain"], f"{where}.expected_gain", None)
+        ks = []
+        for j, candidate in enumerate(sequence(bucket.get("candidates", []),
+                                               f"{where}.candidates")):
+            candidate = mapping(candidate, f"{where}.candidates[{j}]")
+            ks.append(integer(candidate.get("k"), f"{where}.candidates[{j}].k", 0, MAX_K))
+            for name in ("p_better", "expected_gain", "goodput_ratio"):
+                if name in candidate:
+                    number(candidate[name], f"{where}.candidates[{j}].{name}", None)
+        if set(ks) - k_allowed or len(set(ks)) != len(ks):
+            raise EnvelopeError(f"{where}.candidates K {ks} must be distinct and in "
+                                f"startup_k_values {sorted(k_allowed)}")
+        covered.append((start, end))
+    covered.sort()
+    for (_, end), (start, _) in zip(covered, covered[1:], strict=False):
+        if start <= end:
+            raise EnvelopeError(f"exploration.buckets overlap at batch size {start}")

@@ -32,6 +32,7 @@ from fitter.profile_plan import Cell, concurrency_levels, next_cell
 from fitter.refit import key_from_records
 from fitter.surface.fit import SurfaceFit, fit_surface
 from schemas import DraftTable, TableKey
+from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings
 from tabletune.profile_twin import CellRun, ProgressCallback
 
@@ -136,6 +137,9 @@ def profile_openai(url: str, *, max_k: int | None, budget_s: float,
         raise ProfileError(f"K values {sorted(k_values)} must lie in 0..{max_k}")
     k_values = tuple(sorted({int(k) for k in k_values}))
     cell_s = budget_s / max(cells, 1) if forcing else budget_s / len(loads)
+    if forcing and cell_s + FORCE_GRACE_S > MAX_FORCE_S:
+        raise ProfileError(f"openai: cells of {cell_s:.0f} s would force K for longer than "
+                           f"engines take ({MAX_FORCE_S:.0f} s): more cells or less budget")
     started = time.monotonic()
     began = dt.datetime.now(dt.UTC)
     runs: list[CellRun] = []

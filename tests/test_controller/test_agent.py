@@ -8,9 +8,11 @@ import pytest
 from controller.agent import Mode, TableAgent
 from controller.validation import EngineLimits
 from schemas import DraftTable, SignatureError, TableControl, TableEnvelope, TableKey
+from schemas.control import new_control_id
 
 KEY = TableKey("llama", "eagle", "h100")
 KEYRING = {"k1": b"secret"}
+ISSUED = "2026-11-29T11:30:00+00:00"
 
 
 def envelope(version: int, triples, key: TableKey = KEY, sign: str | None = "k1"
@@ -22,7 +24,8 @@ def envelope(version: int, triples, key: TableKey = KEY, sign: str | None = "k1"
 
 
 def control(action: str, version: int | None = None, sign: bool = True) -> TableControl:
-    ctl = TableControl(key=KEY, action=action, version=version, issued_at="now")
+    ctl = TableControl(key=KEY, action=action, version=version, issued_at=ISSUED,
+                       control_id=new_control_id())
     return ctl.signed("k1", b"secret") if sign else ctl
 
 
@@ -106,8 +109,9 @@ def test_rollback_to_startup_table(agent_and_events):
 
 def _force(triples, expires_at: str = "2026-11-29T12:00:00+00:00", sign: bool = True
            ) -> TableControl:
-    ctl = TableControl(key=KEY, action="force", version=None, issued_at="now",
-                       table=DraftTable.from_vllm(triples), expires_at=expires_at)
+    ctl = TableControl(key=KEY, action="force", version=None, issued_at=ISSUED,
+                       control_id=new_control_id(), table=DraftTable.from_vllm(triples),
+                       expires_at=expires_at)
     return ctl.signed("k1", b"secret") if sign else ctl
 
 
@@ -137,7 +141,8 @@ def test_force_messages_need_a_table_and_a_zoned_expiry():
     from schemas import EnvelopeError, parse_table_message
 
     with pytest.raises(EnvelopeError, match="needs a table and expires_at"):
-        TableControl(key=KEY, action="force", version=None, issued_at="now")
+        TableControl(key=KEY, action="force", version=None, issued_at=ISSUED,
+                     control_id=new_control_id())
     with pytest.raises(EnvelopeError, match="no time zone"):
         _force([[1, 64, 3]], expires_at="2026-11-29T12:00:00")
     with pytest.raises(EnvelopeError, match="not an ISO-8601"):
@@ -152,10 +157,12 @@ def test_force_messages_need_a_table_and_a_zoned_expiry():
 
 def test_a_targeted_force_holds_only_the_engines_it_names():
     forced = DraftTable.from_vllm([[1, 64, 3]])
-    force = TableControl(key=KEY, action="force", version=None, issued_at="now",
+    force = TableControl(key=KEY, action="force", version=None,
+                         issued_at="2098-12-31T23:30:00+00:00", control_id=new_control_id(),
                          table=forced, expires_at="2099-01-01T00:00:00+00:00",
                          targets=("canary-1",)).signed("k1", b"secret")
-    release = TableControl(key=KEY, action="release", version=None, issued_at="now",
+    release = TableControl(key=KEY, action="release", version=None, issued_at=ISSUED,
+                           control_id=new_control_id(),
                            targets=("canary-1",)).signed("k1", b"secret")
     agents = {engine: TableAgent(EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), KEYRING,
                                  lambda event, **fields: None, engine_id=engine)
@@ -170,8 +177,8 @@ def test_a_targeted_force_holds_only_the_engines_it_names():
 
 
 def test_targets_travel_in_the_signed_payload():
-    force = TableControl(key=KEY, action="release", version=None, issued_at="now",
-                         targets=("a",)).signed("k1", b"secret")
+    force = TableControl(key=KEY, action="release", version=None, issued_at=ISSUED,
+                         control_id=new_control_id(), targets=("a",)).signed("k1", b"secret")
     retargeted = TableControl.from_dict({**json.loads(force.to_json()),
                                          "targets": ["b"]})
     with pytest.raises(SignatureError, match="MAC does not match"):

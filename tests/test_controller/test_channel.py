@@ -8,13 +8,15 @@ from controller import channel as channel_module
 from controller.channel import KafkaChannel
 from controller.table_log import read_topic
 from schemas import DraftTable, TableControl, TableKey, parse_table_message
+from schemas.control import new_control_id
 from tabletune.broker import free_port
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
 
 
 def control(action: str, k: int | None = None) -> TableControl:
-    return TableControl(key=KEY, action=action, version=None, issued_at="now",
+    return TableControl(key=KEY, action=action, version=None,
+                        issued_at="2098-12-31T23:30:00+00:00", control_id=new_control_id(),
                         table=None if k is None else DraftTable.from_vllm([[1, 64, k]]),
                         expires_at=None if k is None else "2099-01-01T00:00:00+00:00",
                         targets=("canary-1",))

@@ -34,7 +34,8 @@ def frame(rng, *, version: int, t0: float, n: int, goodput: float, seq0: int):
 
 def envelope(version: int) -> TableEnvelope:
     return TableEnvelope(key=KEY, version=version, table=DraftTable.from_vllm([[1, 64, 3]]),
-                         startup_k_values=(0, 1, 3), max_batch=64, created_at="now")
+                         startup_k_values=(0, 1, 3), max_batch=64,
+                         created_at="2026-11-29T00:00:00+00:00")
 
 
 def test_regressing_table_is_rolled_back_through_the_agent(tmp_path):

@@ -9,6 +9,7 @@ from controller.status import StatusPublisher
 from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableKey
+from schemas.control import new_control_id
 
 KEY = TableKey("llama", "eagle", "h100")
 
@@ -20,7 +21,9 @@ def test_a_refused_force_is_reported_once() -> None:
     status = StatusPublisher(None, "engine-0", str(KEY))
     feed = EngineFeed(switch, EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), status,
                       wall_clock)
-    feed.agent.on_control(TableControl(key=KEY, action="force", version=None, issued_at="now",
+    feed.agent.on_control(TableControl(key=KEY, action="force", version=None,
+                                       issued_at="2098-12-31T23:30:00+00:00",
+                                       control_id=new_control_id(),
                                        table=DraftTable.from_vllm([[1, 64, 5]]),
                                        expires_at="2099-01-01T00:00:00+00:00"))
     for _ in range(3):  # three polls

@@ -480,12 +480,11 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     key = TableKey.parse(TABLE_KEY)
     following = switch.version
     # Refused: K outside the startup set; ignored: a force that has already expired.
-    refused_force = force(key, DraftTable.from_vllm([[1, 16, 3]]), hold_s=600)
-
     def refuse_a_force() -> None:
-        """Publish a force of K 3 and wait for its own refusal, not an earlier one."""
+        """Publish a new force of K 3 (the same one again would be refused as a replay) and
+        wait for its own refusal, not an earlier one."""
         before = list(feed.status.recent)
-        publish(settings, refused_force)
+        publish(settings, force(key, DraftTable.from_vllm([[1, 16, 3]]), hold_s=600))
         _wait_for_event(feed, lambda e: e["event"] == "rejected"
                         and e.get("control") == "force" and e["reason"] == "k_not_in_startup_set"
                         and not any(e is seen for seen in before))

@@ -28,7 +28,7 @@ def make_envelope(table: DraftTable, version: int = 3) -> TableEnvelope:
         created_at="2026-11-29T12:00:00Z",
         provenance={"records": 1234, "engines": ["e1", "e2"]},
         predicted_goodput_tok_s=tuple(100.0 + b for b in range(table.max_batch)),
-        surface={"batch_sizes": [1, 2], "k_values": [0, 1], "stderr": [[0.1, 0.2], [0.3, 0.4]]},
+        surface={"batch_sizes": [1], "k_values": [0, 5], "stderr": [[0.1, 0.2]]},
     )
 
 

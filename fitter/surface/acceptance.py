@@ -49,8 +49,8 @@ def beta_posteriors(trials: NDArray[np.float64], successes: NDArray[np.float64],
     """Chained Beta posteriors (alpha, beta) for the conditional rates, position by position.
 
     Position i's prior is centred on position i-1's posterior mean: neighbouring positions
-    of one drafter behave alike (CALIBRATION.md: .69 .66 .69 .73 .76), so the best guess for
-    an unobserved position is its predecessor, held loosely.
+    of one drafter behave alike (docs/TWIN.md, acceptance: .69 .66 .69 .73 .76), so the best
+    guess for an unobserved position is its predecessor, held loosely.
     """
     n_positions = trials.size
     alpha = np.zeros(n_positions)

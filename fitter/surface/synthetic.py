@@ -3,7 +3,7 @@
 For tests, benchmarks and `profile` dry runs: the twin (producers/) is the faithful simulated
 engine; this is the quick stand-in that writes the same `STEP_RECORD_SCHEMA` columns with a
 known ground truth, so a fit can be scored against the truth it was generated from.
-Defaults are CALIBRATION.md's H100 / Llama-3.1-8B cost model and ShareGPT EAGLE acceptance.
+Defaults are the H100 / Llama-3.1-8B cost model and ShareGPT EAGLE acceptance of docs/TWIN.md.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from numpy.typing import ArrayLike, NDArray
 from schemas.step_record import SCHEMA_VERSION, STEP_RECORD_SCHEMA
 
 SHAREGPT_EAGLE_CONDITIONAL: tuple[float, ...] = (0.66, 0.576, 0.553, 0.66, 0.66, 0.66, 0.66)
-"""Conditional acceptance per position consistent with CALIBRATION.md's ShareGPT EAGLE AL
-column (1.66 2.04 2.25 . 2.48 . 2.58; K=4 and 6 interpolated geometrically). The table's own
-'conditional' column does not reproduce its AL column, and the AL column is what the quoted
-best-K pattern was derived from."""
+"""Conditional acceptance per position consistent with the ShareGPT EAGLE AL column of
+docs/TWIN.md, acceptance (1.66 2.04 2.25 . 2.48 . 2.58; K=4 and 6 interpolated geometrically).
+The table's own 'conditional' column does not reproduce its AL column, and the AL column is
+what the quoted best-K pattern was derived from."""
 
 GSM8K_NGRAM_CONDITIONAL: tuple[float, ...] = (0.16, 0.61, 0.65, 0.68, 0.71, 0.71, 0.71)
-"""A very different drafter/workload, for drift tests (CALIBRATION.md, GSM8K n-gram)."""
+"""A very different drafter/workload, for drift tests (docs/TWIN.md, acceptance: GSM8K
+n-gram)."""
 
 
 @dataclass(frozen=True, slots=True)

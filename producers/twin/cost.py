@@ -21,7 +21,8 @@ import numpy as np
 from producers.twin.config import COST_COEFFICIENTS, CostConfig, ScenarioError
 
 PROFILES: dict[str, dict[str, float]] = {
-    # Llama-3.1-8B-Instruct on H100, vLLM 0.10.1, fitted by SpecDecode-Bench (CALIBRATION.md).
+    # Llama-3.1-8B-Instruct on H100, vLLM 0.10.1, fitted by SpecDecode-Bench
+    # (docs/TWIN.md, calibration).
     "h100-llama3.1-8b": {
         "target_kv": 3.92645679e-08,
         "target_batched": 2.10103129e-05,

@@ -6,7 +6,7 @@ scenario: `warmup` then `measure`, identical traffic, so that the summary's per-
 metrics give the measured window directly and adaptive policies (TableTune profiles for its
 first ~30 virtual seconds) are scored after they settle. Each load has its own seed, shared
 by every policy (side by side). Without the shared traces, phases fall back to the
-parametric acceptance profiles of CALIBRATION.md (the twin logs it).
+parametric acceptance profiles of docs/TWIN.md, acceptance (the twin logs it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MAX_K = 7
 BASELINES = ("vllm-doc", "dsd-goodput", "ema-adaptive")
 ADAPTIVE = (*BASELINES, "tabletune")
 
-FALLBACK = {  # CALIBRATION.md: conditional acceptance per position, prompt / output means
+FALLBACK = {  # docs/TWIN.md, acceptance: conditional rate per position; prompt/output means
     ("sharegpt", "eagle"): (0.69, 0.66, 0.69, 0.73, 0.76),
     ("sharegpt", "ngram"): (0.35, 0.84, 0.87, 0.90, 0.91),
     ("instructcoder", "eagle"): (0.72, 0.73, 0.75, 0.78, 0.80),

@@ -1,4 +1,4 @@
-"""Synthetic telemetry with a known truth (CALIBRATION.md's H100 model and acceptance)."""
+"""Synthetic telemetry with a known truth (the H100 model and acceptance of docs/TWIN.md)."""
 
 from __future__ import annotations
 

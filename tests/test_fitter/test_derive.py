@@ -19,7 +19,7 @@ from schemas.envelope import TableEnvelope, TableKey
 from tests.test_fitter.conftest import MAX_BATCH, MAX_K
 
 KEY = TableKey("llama-3.1-8b", "eagle", "h100")
-# CALIBRATION.md, ShareGPT EAGLE at 512 context: best fixed K per batch size.
+# docs/TWIN.md, calibration: ShareGPT EAGLE at 512 context, best fixed K per batch size.
 KNOWN_BEST_K = {1: 7, 2: 7, 4: 7, 8: 7, 16: 5, 32: 4, 64: 3, 128: 2, 256: 2}
 
 

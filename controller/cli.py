@@ -10,7 +10,9 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
+from controller.cli_args import NON_NEGATIVE, POSITIVE, integer, number, table_key
 from controller.table_log import control, publish, read_log, read_topic
+from fitter.kafka_clients import check_reachable
 from schemas import EnvelopeError, TableControl, TableEnvelope, TableError, TableKey
 from schemas.settings import Settings
 from schemas.table_files import load_table_file
@@ -18,7 +20,8 @@ from schemas.table_files import load_table_file
 
 def register(commands: Any) -> None:
     tables = commands.add_parser("tables", help="publish and follow table envelopes")
-    table_commands = tables.add_subparsers(title="tables commands", metavar="COMMAND")
+    table_commands = tables.add_subparsers(title="tables commands", metavar="COMMAND",
+                                           required=True)
     pub = table_commands.add_parser(
         "publish", help="publish a TableEnvelope JSON file to the tables topic",
         description="Signs it with TABLETUNE_SIGNING_KEY_ID/SECRET when they are set.")
@@ -30,27 +33,28 @@ def register(commands: Any) -> None:
         description="Reads the tables topic from the beginning and prints every envelope "
         "of KEY whose version is newer than the last printed, then keeps following. "
         "Operator controls are not printed. Ctrl-C stops.")
-    follow.add_argument("--key", required=True, help="model|drafter|hardware")
+    follow.add_argument("--key", type=table_key, required=True, help="model|drafter|hardware")
     follow.add_argument("--exit-when-idle", action="store_true",
                         help="stop once caught up instead of following")
     _bootstrap(follow)
     follow.set_defaults(handler=run_follow)
 
     ctl = commands.add_parser("controller", help="inspect and steer the engines' tables")
-    ctl_commands = ctl.add_subparsers(title="controller commands", metavar="COMMAND")
+    ctl_commands = ctl.add_subparsers(title="controller commands", metavar="COMMAND",
+                                      required=True)
     show = ctl_commands.add_parser("show", help="history, active versions, recent events")
-    show.add_argument("key", help="model|drafter|hardware")
+    show.add_argument("key", type=table_key, help="model|drafter|hardware")
     _bootstrap(show)
     show.set_defaults(handler=run_show)
     pin = ctl_commands.add_parser("pin", help="hold engines of KEY on VERSION")
-    pin.add_argument("key")
-    pin.add_argument("version", type=int)
+    pin.add_argument("key", type=table_key)
+    pin.add_argument("version", type=integer(1))
     _bootstrap(pin)
     pin.set_defaults(handler=run_control, action="pin")
     for action, text in (("unpin", "release a pin: follow the newest version again"),
                          ("rollback", "move engines of KEY back to the previous version")):
         sub = ctl_commands.add_parser(action, help=text)
-        sub.add_argument("key")
+        sub.add_argument("key", type=table_key)
         _bootstrap(sub)
         sub.set_defaults(handler=run_control, action=action, version=None)
 
@@ -64,21 +68,23 @@ def register(commands: Any) -> None:
         "table. Its clock is the telemetry's timestamps. State lives in the topics: a "
         "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
         "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap).")
-    serve.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+    serve.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
                        help="serve this key alone (default: every key whose engines announce "
                        "themselves)")
-    serve.add_argument("--lookback-s", type=float, default=180.0,
+    serve.add_argument("--lookback-s", type=NON_NEGATIVE, default=180.0,
                        help="telemetry from this many seconds before start-up, for the "
                        "first fits only (default 180; 0: only new steps)")
-    serve.add_argument("--canary-share", type=float, default=0.25,
+    serve.add_argument("--canary-share", type=number(0, 1, low_open=True), default=0.25,
                        help="share of a key's engines a re-profile forces, at least one "
                        "(default 0.25)")
-    serve.add_argument("--refit-s", type=float, default=30.0,
+    serve.add_argument("--refit-s", type=POSITIVE, default=30.0,
                        help="telemetry seconds between periodic refits (default 30)")
     serve.add_argument("--decisions", default=None, metavar="FILE",
                        help="at exit, write every decision of every key's loop to FILE, one "
-                       "JSON object a line (profile, refit, stale, reprofile, stage, ...)")
-    serve.add_argument("--duration-s", type=float, default=None,
+                       "JSON object a line (profile, refit, stale, reprofile, stage, ...); "
+                       "FILE is created at start, so a path that cannot be written fails "
+                       "before the service runs")
+    serve.add_argument("--duration-s", type=POSITIVE, default=None,
                        help="stop after this many wall seconds (default: run until stopped)")
     _bootstrap(serve)
     serve.set_defaults(handler=run_control_service)
@@ -94,11 +100,10 @@ def run_control_service(args: argparse.Namespace) -> int:
         key = None if args.key is None else TableKey.parse(args.key)
         config = ControlRunConfig(key=key, lookback_s=args.lookback_s)
         loop_config = LoopConfig(canary_share=args.canary_share, refit_interval_s=args.refit_s)
-        if args.duration_s is not None and args.duration_s <= 0:
-            raise ValueError(f"--duration-s {args.duration_s} must be > 0")
     except (ValueError, EnvelopeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    decisions = None if args.decisions is None else open(args.decisions, "w")
     runner = ControlRunner(settings, fit_table, config=config, loop_config=loop_config)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
     try:
@@ -107,8 +112,8 @@ def run_control_service(args: argparse.Namespace) -> int:
         runner.stop()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if args.decisions is not None:
-        with open(args.decisions, "w") as out:
+    if decisions is not None:
+        with decisions as out:
             for loop in runner.service.loops():
                 for decision in loop.decisions:
                     out.write(json.dumps({"key": str(loop.limits.key), **decision},
@@ -132,7 +137,11 @@ def _bootstrap(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return Settings.from_env().with_bootstrap(args.bootstrap)
+    """The settings of a command that talks to Kafka, its bootstrap checked reachable (a dead
+    one fails at once, naming it, instead of after kafka-python's retries)."""
+    settings = Settings.from_env().with_bootstrap(args.bootstrap)
+    check_reachable(settings.require_bootstrap())
+    return settings
 
 
 def run_publish(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from kafka import KafkaProducer
 
-from fitter.kafka_clients import close_producer
+from fitter.kafka_clients import check_reachable, close_producer
 from schemas import Frame, encode_frame
 from schemas.settings import Settings
 
@@ -324,6 +324,15 @@ def sink_from_url(url: str, settings: Settings | None = None
         return FileSink(parsed.path)
     raise SinkError(f"TABLETUNE_SINK={url!r}: expected kafka://host:port, file:///dir "
                     "or null://")
+
+
+def check_kafka_sink(url: str) -> None:
+    """For command lines: a `kafka://` sink whose brokers do not answer is refused at once
+    (KafkaUnreachable, naming them), since the sink itself never fails nor blocks its engine
+    and a dead broker would only show as telemetry never sent."""
+    servers = url[len("kafka://"):].strip("/") if urlparse(url).scheme == "kafka" else ""
+    if servers:  # an empty one is sink_from_url's error to name
+        check_reachable(Settings.from_env().with_bootstrap(servers).bootstrap_servers)
 
 
 def _safe(text: str) -> str:

@@ -74,6 +74,11 @@ class EmbeddedBroker:
             return self.bootstrap
         if self.port is None:
             self.port = free_port()
+        elif port_in_use(self.port):
+            # Tansu would exit, but the readiness check would reach whatever listens there
+            # and create our topics on it: refuse before starting anything.
+            raise BrokerError(f"port {self.port} on {HOST} is already in use (another "
+                              "broker?): choose another --port, or leave it out for a free one")
         url = f"tcp://{HOST}:{self.port}"
         command = [
             broker_binary(), "broker",
@@ -89,6 +94,9 @@ class EmbeddedBroker:
         try:
             self._wait_until_listening()
             create_topics(self.bootstrap, self.layout, timeout_s=self.ready_timeout_s)
+            if self._process.poll() is not None:  # the port was taken between check and bind
+                raise BrokerError(f"tansu exited with code {self._process.returncode}: port "
+                                  f"{self.port} on {HOST} was taken by another process")
         except BaseException:
             self.stop()
             raise
@@ -152,6 +160,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) `port` on HOST; a port left in TIME_WAIT by a
+    stopped broker counts as free, as it does for the broker's own bind."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+        return False
 
 
 def create_topics(bootstrap: str, layout: TopicLayout, *, timeout_s: float = 20.0,

@@ -5,46 +5,95 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
+from kafka.errors import KafkaError
+
+from controller.cli_args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    integer,
+    number,
+)
 from controller.vllm_compat import check_with_vllm
-from schemas import EnvelopeError, TableError
+from fitter.kafka_clients import check_reachable
+from schemas import TableError
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
-from schemas.settings import ENV_VARS, Settings, SettingsError
+from schemas.settings import ENV_VARS, Settings
 from schemas.table_files import load_table_file
 from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
 
+EXIT_STATUS = ("Exit status: 0 done; 1 the command failed (a file, a table, a dataset or the "
+               "broker; one line on stderr names it); 2 the command line is wrong (the line "
+               "names the flag and its bound); 3 `ingest --until-idle` stopped behind (it "
+               "names the lag). -v adds kafka-python's own log and the traceback of an error.")
+FAILURES = (ValueError, OSError, BrokerError)
+"""What a command's bad input or environment raises (ours are ValueErrors: TableError,
+SettingsError, ScenarioError, ...); anything else is a bug and keeps its traceback."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr, exit EXIT_USAGE; sub-commands
+    inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit status (EXIT_STATUS), never a traceback for bad
+    input, a missing file or an unreachable broker."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return int(exc.code or 0)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # its INFO is per connection
-    if not hasattr(args, "handler"):
-        parser.print_help()
-        return 2
+    # kafka-python logs each failed connection attempt at ERROR; our own messages say what
+    # failed, -v shows its warnings (its INFO is per connection).
+    logging.getLogger("kafka").setLevel(logging.WARNING if args.verbose else logging.CRITICAL)
     try:
         return int(args.handler(args))
-    except (TableError, EnvelopeError, SettingsError, BrokerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except KafkaError as exc:
+        return _failed(f"Kafka at {_bootstrap_of(args)}: {exc}", verbose=args.verbose)
+    except FAILURES as exc:
+        return _failed(str(exc), verbose=args.verbose)
+
+
+def _failed(message: str, *, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exc()
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _bootstrap_of(args: argparse.Namespace) -> str:
+    """The brokers a failed command talked to, for its error line."""
+    return (getattr(args, "bootstrap", None) or os.environ.get("TABLETUNE_BOOTSTRAP")
+            or "the configured brokers")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="tabletune",
         description="Keeps speculative-decoding draft-length tables right: telemetry from "
         "engines, a fitted throughput surface, and tables hot-swapped into running engines.",
         epilog="Settings come from TABLETUNE_* environment variables (flags override): "
-        + ", ".join(ENV_VARS),
+        + ", ".join(ENV_VARS) + ". " + EXIT_STATUS,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     broker = commands.add_parser(
         "broker", help="run the embedded Kafka-protocol broker (Tansu) with TableTune's topics",
@@ -52,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "creates the TableTune topics, prints the bootstrap address and runs until "
         "Ctrl-C or SIGTERM. For demos and tests; production uses Apache Kafka.",
     )
-    broker.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    broker.add_argument("--telemetry-partitions", type=int, default=8,
+    broker.add_argument("--port", type=PORT, default=None,
+                        help="port (default: a free one); one already in use is refused")
+    broker.add_argument("--telemetry-partitions", type=integer(1), default=8,
                         help="partitions of the telemetry topic (default 8)")
     broker.set_defaults(handler=run_broker)
 
@@ -67,23 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--bootstrap", default=None,
                         help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
     ingest.add_argument("--out", required=True, help="dataset folder")
-    ingest.add_argument("--until-idle", type=float, default=None, metavar="S",
+    ingest.add_argument("--until-idle", type=POSITIVE, default=None, metavar="S",
                         help="batch jobs: stop once caught up (the group has committed every "
                         "partition of the topic up to its end offset) and S seconds passed "
                         "without new telemetry; exit 3 naming the lag if still behind after "
                         "--lag-wait")
-    ingest.add_argument("--lag-wait", type=float, default=30.0, metavar="S",
+    ingest.add_argument("--lag-wait", type=NON_NEGATIVE, default=30.0, metavar="S",
                         help="with --until-idle: how long nothing may move while behind "
                         "(another member holds partitions) before exiting 3 (default 30)")
     ingest.add_argument("--group", default="tabletune-ingest", help="consumer group id")
-    ingest.add_argument("--window-records", type=int, default=200_000,
+    ingest.add_argument("--window-records", type=integer(1), default=200_000,
                         help="records per partition window (default 200000)")
-    ingest.add_argument("--window-s", type=float, default=10.0,
+    ingest.add_argument("--window-s", type=POSITIVE, default=10.0,
                         help="longest a record waits in a window, seconds (default 10)")
-    ingest.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+    ingest.add_argument("--max-frame-bytes", type=integer(1024),
+                        default=DEFAULT_MAX_FRAME_BYTES,
                         help="largest decompressed frame; larger ones are dead-lettered as "
                         "too_large before they are expanded (default %(default)s)")
-    ingest.add_argument("--max-frame-records", type=int, default=DEFAULT_MAX_FRAME_RECORDS,
+    ingest.add_argument("--max-frame-records", type=integer(1),
+                        default=DEFAULT_MAX_FRAME_RECORDS,
                         help="most records in one frame; more are dead-lettered as "
                         "too_many_records (default %(default)s)")
     ingest.set_defaults(handler=run_ingest)
@@ -98,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         "on the same traffic. Writes OUT/report.md with PNG plots. A few minutes on 2 "
         "cores.")
     demo.add_argument("--out", default="demo-out", help="report folder (default demo-out)")
-    demo.add_argument("--phase-s", type=float, default=300.0,
+    demo.add_argument("--phase-s", type=POSITIVE, default=300.0,
                       help="virtual seconds per traffic phase (default 300)")
-    demo.add_argument("--engines-per-group", type=int, default=2,
+    demo.add_argument("--engines-per-group", type=integer(1), default=2,
                       help="fleet engines per group (default 2; a re-profile forces one)")
     demo.set_defaults(handler=run_demo_command)
 
@@ -120,12 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         "loop on twin engines. Prints each engine's `twin run --json` summary under "
         "`engines` and the fleet-mean output tokens/s per virtual second under `timeline`.")
     fleet.add_argument("--scenario", required=True, help="scenario TOML file")
-    fleet.add_argument("--engines", type=int, default=4, help="engines (default 4)")
-    fleet.add_argument("--speedup", type=float, default=10.0,
-                       help="virtual seconds per wall second (default 10)")
-    fleet.add_argument("--duration", type=float, default=None,
+    fleet.add_argument("--engines", type=integer(1, 64), default=4,
+                       help="engines, 1 to 64 (default 4)")
+    fleet.add_argument("--speedup", type=number(0, 1000, low_open=True), default=10.0,
+                       help="virtual seconds per wall second, up to 1000 (default 10)")
+    fleet.add_argument("--duration", type=POSITIVE, default=None,
                        help="virtual seconds (default: the sum of the phases)")
-    fleet.add_argument("--explore", type=float, default=0.02,
+    fleet.add_argument("--explore", type=number(0, 0.5, high_open=True), default=0.02,
                        help="share of steps run at a neighbouring K (default 0.02)")
     fleet.add_argument("--bootstrap", default=None,
                        help="host:port (default: TABLETUNE_BOOTSTRAP)")
@@ -135,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_suite(commands)
 
     table = commands.add_parser("table", help="check and convert draft-length tables")
-    table_commands = table.add_subparsers(title="table commands", metavar="COMMAND")
+    table_commands = table.add_subparsers(title="table commands", metavar="COMMAND",
+                                          required=True)
     validate = table_commands.add_parser(
         "validate", help="check a table against an engine's limits",
         description="FILE holds vLLM triples ([[1,16,5],[17,32,4],...]) or a TableEnvelope. "
@@ -143,9 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         "own validator when vLLM is installed.",
     )
     validate.add_argument("file")
-    validate.add_argument("--max-k", type=int, default=None,
+    validate.add_argument("--max-k", type=integer(0), default=None,
                           help="the engine's num_speculative_tokens (default: from envelope)")
-    validate.add_argument("--max-batch", type=int, default=None,
+    validate.add_argument("--max-batch", type=integer(1), default=None,
                           help="the engine's max_num_seqs (default: from envelope)")
     validate.set_defaults(handler=run_table_validate)
     convert = table_commands.add_parser(
@@ -155,25 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("file")
     convert.add_argument("--to", choices=("vllm", "trtllm", "dense"), required=True)
-    convert.add_argument("--max-batch", type=int, default=None,
+    convert.add_argument("--max-batch", type=integer(1), default=None,
                          help="for dense: last batch size (default: the table's last end)")
     convert.set_defaults(handler=run_table_convert)
     return parser
 
 
 def run_twin_fleet(args: argparse.Namespace) -> int:
-    from producers.twin.config import ScenarioError
     from tabletune.twin_fleet import FleetConfig, run_fleet
 
-    try:
-        settings = Settings.from_env().with_bootstrap(args.bootstrap)
-        settings.require_bootstrap()
-        config = FleetConfig(engines=args.engines, speedup=args.speedup,
-                             explore_share=args.explore, duration_s=args.duration)
-        result = run_fleet(args.scenario, settings, config)
-    except (ValueError, ScenarioError, SettingsError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    settings = Settings.from_env().with_bootstrap(args.bootstrap)
+    check_reachable(settings.require_bootstrap())
+    config = FleetConfig(engines=args.engines, speedup=args.speedup,
+                         explore_share=args.explore, duration_s=args.duration)
+    result = run_fleet(args.scenario, settings, config)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -219,7 +268,7 @@ def run_ingest(args: argparse.Namespace) -> int:
     from fitter.ingest import IngestConfig, IngestIncomplete, Ingestor
 
     settings = Settings.from_env().with_bootstrap(args.bootstrap)
-    settings.require_bootstrap()
+    check_reachable(settings.require_bootstrap())
     ingestor = Ingestor(settings, IngestConfig(
         out_dir=Path(args.out), group_id=args.group, window_records=args.window_records,
         window_s=args.window_s, until_idle_s=args.until_idle, lag_wait_s=args.lag_wait,
@@ -280,7 +329,7 @@ def run_table_convert(args: argparse.Namespace) -> int:
     elif args.to == "trtllm":
         out = table.to_trtllm()
     else:
-        out = table.to_dense(args.max_batch or table.max_batch)[1:]
+        out = table.to_dense(table.max_batch if args.max_batch is None else args.max_batch)[1:]
     print(json.dumps(out))
     return 0
 

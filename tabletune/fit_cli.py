@@ -8,6 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controller.cli_args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    NON_NEGATIVE,
+    POSITIVE,
+    integer,
+    integers,
+    table_key,
+)
+from fitter.kafka_clients import check_reachable
 from schemas import TableKey
 from schemas.settings import Settings
 
@@ -25,12 +35,12 @@ def register(commands: Any) -> None:
     profile.add_argument("--engine", required=True, metavar="twin:SCENARIO|openai:URL",
                          help="twin:FILE.toml or twin:NAME (a built-in scenario such as "
                          "sharegpt-eagle), or openai:http://host:port of a vLLM server")
-    profile.add_argument("--max-k", type=int, default=None,
+    profile.add_argument("--max-k", type=integer(0), default=None,
                          help="largest K to try (default: the engine's startup K)")
-    profile.add_argument("--budget-s", type=float, default=120.0,
+    profile.add_argument("--budget-s", type=POSITIVE, default=120.0,
                          help="engine seconds for the whole sweep (default 120)")
     profile.add_argument("--out", required=True, metavar="DIR", help="folder for table.json")
-    profile.add_argument("--cells", type=int, default=None,
+    profile.add_argument("--cells", type=integer(1), default=None,
                          help="cells that share the budget (default 16: 7.5 s each of the "
                          "default budget)")
     profile.add_argument("--sink", default=None,
@@ -46,9 +56,10 @@ def register(commands: Any) -> None:
                          help="openai: Kafka of the server's TableTune controller (default "
                          "$TABLETUNE_BOOTSTRAP); with it each cell's K is forced on the server "
                          "through the tables topic, and released at the end")
-    profile.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+    profile.add_argument("--key", type=table_key, default=None,
+                         metavar="MODEL|DRAFTER|HARDWARE",
                          help="openai: the server's table key (needed to force K)")
-    profile.add_argument("--k-values", default=None, metavar="0,1,3,5",
+    profile.add_argument("--k-values", type=integers(0), default=None, metavar="0,1,3,5",
                          help="openai: K values to force, all in the server's startup "
                          "table (default 0..--max-k)")
     profile.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -70,28 +81,32 @@ def register(commands: Any) -> None:
     fit.add_argument("--publish", action="store_true", help="publish when the decision says so")
     fit.add_argument("--bootstrap", default=None,
                      help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
-    fit.add_argument("--key", default=None, metavar="MODEL|DRAFTER|HARDWARE",
+    fit.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
                      help="table key (default: the one key in the records)")
-    fit.add_argument("--max-k", type=int, default=None,
+    fit.add_argument("--max-k", type=integer(0), default=None,
                      help="largest K (default: the current table's startup set, else the "
                      "largest K in the records)")
-    fit.add_argument("--max-batch", type=int, default=None,
+    fit.add_argument("--max-batch", type=integer(1), default=None,
                      help="default: the current envelope's, else the largest batch seen")
-    fit.add_argument("--startup-k", type=int, nargs="+", default=None, metavar="K",
+    fit.add_argument("--startup-k", type=integer(0), nargs="+", default=None, metavar="K",
                      help="K values the engines started with (default: the current "
                      "envelope's, else 0..max-k)")
-    fit.add_argument("--threshold", type=float, default=0.01,
+    fit.add_argument("--threshold", type=NON_NEGATIVE, default=0.01,
                      help="publish above this predicted relative gain (default 0.01)")
-    fit.add_argument("--half-life-s", type=float, default=1800.0,
+    fit.add_argument("--half-life-s", type=POSITIVE, default=1800.0,
                      help="recency half-life of steps (default 1800)")
     fit.add_argument("--current", default=None, metavar="FILE",
                      help="the current envelope from a file instead of the tables topic")
     fit.add_argument("--stale", action="store_true", help="treat the current table as stale")
+    fit.add_argument("--strict", action="store_true",
+                     help="refuse (exit 1, naming it) a Parquet file that cannot be read or "
+                     "is not telemetry, instead of skipping it with a warning (skipped files "
+                     "are counted under skipped_files)")
     fit.set_defaults(handler=run_fit)
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from producers.sinks import SinkError, sink_from_url
+    from producers.sinks import SinkError, check_kafka_sink, sink_from_url
     from producers.twin.config import ScenarioError
     from tabletune.profile import DEFAULT_CELLS, ProfileError, profile
     from tabletune.profile_progress import ProgressBar
@@ -99,22 +114,19 @@ def run_profile(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.engine.startswith("openai:"):
         options = {k: v for k, v in (("model", args.model), ("prompts", args.prompts),
-                                     ("parquet", args.parquet), ("key", args.key))
+                                     ("parquet", args.parquet), ("key", args.key),
+                                     ("k_values", args.k_values))
                    if v is not None}
-        if args.k_values:
-            try:
-                options["k_values"] = tuple(int(k) for k in args.k_values.split(","))
-            except ValueError:
-                print(f"error: --k-values {args.k_values!r}: expected integers like 0,1,3",
-                      file=sys.stderr)
-                return 1
         settings = Settings.from_env().with_bootstrap(args.bootstrap)
         if settings.bootstrap_servers:
+            check_reachable(settings.bootstrap_servers)
             options["settings"] = settings
     elif args.bootstrap or args.key or args.k_values:
-        print("error: --bootstrap, --key and --k-values only apply to openai:URL",
-              file=sys.stderr)
-        return 1
+        print("error: tabletune profile: --bootstrap, --key and --k-values only apply to "
+              "openai:URL", file=sys.stderr)
+        return EXIT_USAGE
+    if args.sink:
+        check_kafka_sink(args.sink)
     try:
         sink = sink_from_url(args.sink) if args.sink else None
         with ProgressBar(args.budget_s, enabled=not args.no_progress) as bar:
@@ -124,7 +136,7 @@ def run_profile(args: argparse.Namespace) -> int:
                              on_progress=bar.update, **options)
     except (ProfileError, ScenarioError, SinkError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -142,6 +154,8 @@ def run_fit(args: argparse.Namespace) -> int:
         settings = Settings.from_env().with_bootstrap(args.bootstrap)
         if args.publish:
             settings.require_bootstrap()
+        if args.publish or (settings.bootstrap_servers and args.current is None):
+            check_reachable(settings.bootstrap_servers)  # the current envelope, the publish
         job = RefitJob(
             parquet=Path(args.parquet),
             since=parse_since(args.since) if args.since else None,
@@ -149,10 +163,10 @@ def run_fit(args: argparse.Namespace) -> int:
             max_k=args.max_k, max_batch=args.max_batch, startup_k_values=args.startup_k,
             threshold=args.threshold, half_life_s=args.half_life_s,
             current_file=Path(args.current) if args.current else None,
-            publish=args.publish, settings=settings)
+            publish=args.publish, settings=settings, strict=args.strict)
         outcome = refit_once(job, stale=args.stale)
     except (RefitError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print(json.dumps(outcome.to_dict()))
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.table_log import publish, read_log
-from fitter.dataset import read_dataset
+from fitter.dataset import SkippedFile, load_dataset
 from fitter.refit import DEFAULT_THRESHOLD, RefitDecision, decide_refit, key_from_records
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S
 from schemas import TableEnvelope, TableKey
@@ -45,6 +45,8 @@ class RefitJob:
     publish: bool = False
     settings: Settings | None = None
     """Needed to read the current envelope from the topic and to publish."""
+    strict: bool = False
+    """Refuse a Parquet file that is not telemetry instead of skipping it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,9 +55,12 @@ class RefitOutcome:
     records: int
     offset: int | None
     """Where the envelope was published (None: not published)."""
+    skipped_files: tuple[SkippedFile, ...] = ()
+    """Parquet files left out of the fit, each with why."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.decision.to_dict(), "records": self.records, "offset": self.offset}
+        return {**self.decision.to_dict(), "records": self.records, "offset": self.offset,
+                "skipped_files": [skipped.to_dict() for skipped in self.skipped_files]}
 
 
 def current_envelope(settings: Settings, key: TableKey) -> tuple[TableEnvelope | None, int]:
@@ -71,7 +76,8 @@ def current_envelope(settings: Settings, key: TableKey) -> tuple[TableEnvelope |
 def refit_once(job: RefitJob, *, stale: bool = False,
                now: dt.datetime | None = None) -> RefitOutcome:
     """One refit; publishes only when the decision says so and the job allows it."""
-    records = read_dataset(job.parquet, since=job.since, now=now)
+    dataset = load_dataset(job.parquet, since=job.since, now=now, strict=job.strict)
+    records = dataset.records
     if records.height == 0:
         raise ValueError(f"no telemetry under {job.parquet}"
                          + (f" within the last {job.since}" if job.since else ""))
@@ -80,7 +86,10 @@ def refit_once(job: RefitJob, *, stale: bool = False,
     newest = 0
     if job.current_file is not None:
         _, current = load_table_file(job.current_file)
-        newest = current.version if current is not None else 0
+        if current is None:
+            raise ValueError(f"--current {job.current_file}: needs a TableEnvelope (its "
+                             "version and startup K set), not plain triples")
+        newest = current.version
     elif job.settings is not None and job.settings.bootstrap_servers:
         current, newest = current_envelope(job.settings, key)
     decision = decide_refit(records, current, key=key, max_k=job.max_k,
@@ -101,4 +110,4 @@ def refit_once(job: RefitJob, *, stale: bool = False,
         offset = publish(job.settings, decision.envelope)
         log.info("published %s version %d at offset %d (%s)", key,
                  decision.envelope.version, offset, decision.reason)
-    return RefitOutcome(decision, records.height, offset)
+    return RefitOutcome(decision, records.height, offset, dataset.skipped)

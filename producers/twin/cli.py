@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from producers.sinks import SinkError
+from controller.cli_args import POSITIVE, SHARE, integer
+from producers.sinks import SinkError, check_kafka_sink
 from producers.twin.config import DRAFT_METHODS, CostConfig, ScenarioError
 from producers.twin.cost import PROFILES, CostModel
 from producers.twin.policies import PolicyError, policy_usages
@@ -31,8 +32,7 @@ def register(subparsers: Any) -> Any:
         "twin", help="the twin: a trace-driven simulated vLLM engine",
         description="A simulated engine with vLLM's continuous batching and draft-table "
         "semantics, on virtual time: compare policies on the same traffic without a GPU.")
-    twin.set_defaults(handler=lambda _args: _usage(twin))
-    commands = twin.add_subparsers(title="twin commands", metavar="COMMAND")
+    commands = twin.add_subparsers(title="twin commands", metavar="COMMAND", required=True)
 
     run = commands.add_parser(
         "run", help="simulate a scenario under a policy",
@@ -43,7 +43,7 @@ def register(subparsers: Any) -> Any:
                      help="how K is chosen: " + " | ".join(policy_usages()))
     run.add_argument("--sink", default=None,
                      help="telemetry: kafka://host:port, file:///dir or null:// (default none)")
-    run.add_argument("--duration", type=float, default=None,
+    run.add_argument("--duration", type=POSITIVE, default=None,
                      help="virtual seconds to run (default: the sum of the phases)")
     run.add_argument("--realtime", action="store_true",
                      help="pace virtual time to the wall clock (demos)")
@@ -58,18 +58,20 @@ def register(subparsers: Any) -> Any:
         "copies to completion; speedup of each K over no speculation, by throughput.")
     source = static.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="SpecDecode-Bench JSONL file")
-    source.add_argument("--acceptance", type=float, nargs="+",
+    source.add_argument("--acceptance", type=SHARE, nargs="+",
                         help="conditional acceptance per position (instead of a trace)")
-    static.add_argument("--prompt-len", type=float, default=355.0,
+    static.add_argument("--prompt-len", type=POSITIVE, default=355.0,
                         help="mean prompt tokens with --acceptance (default 355)")
-    static.add_argument("--output-len", type=float, default=728.0,
+    static.add_argument("--output-len", type=POSITIVE, default=728.0,
                         help="mean generated tokens with --acceptance (default 728)")
     static.add_argument("--method", choices=DRAFT_METHODS, default="eagle")
-    static.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
-    static.add_argument("--k", type=int, nargs="+", default=[1, 3, 5])
-    static.add_argument("--requests", type=int, default=EXPERIMENT_REQUESTS)
-    static.add_argument("--seed", type=int, default=EXPERIMENT_SEED)
-    static.add_argument("--ngram-match-prob", type=float, default=None,
+    static.add_argument("--batch-sizes", type=integer(1), nargs="+",
+                        default=[1, 8, 16, 32, 64, 128])
+    static.add_argument("--k", type=integer(0), nargs="+", default=[1, 3, 5],
+                        help="K values to compare with no speculation (default 1 3 5)")
+    static.add_argument("--requests", type=integer(1), default=EXPERIMENT_REQUESTS)
+    static.add_argument("--seed", type=integer(0), default=EXPERIMENT_SEED)
+    static.add_argument("--ngram-match-prob", type=SHARE, default=None,
                         help="n-gram match chance where nothing is accepted (default: by "
                         "the trace's dataset name, else 1)")
     static.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES),
@@ -80,6 +82,8 @@ def register(subparsers: Any) -> Any:
 
 
 def run_twin(args: argparse.Namespace) -> int:
+    if args.sink:
+        check_kafka_sink(args.sink)
     try:
         summary = run_scenario(args.scenario, args.policy, sink=args.sink,
                                duration_s=args.duration, realtime=args.realtime,
@@ -125,9 +129,6 @@ def run_static(args: argparse.Namespace) -> int:
 def _static_pool(args: argparse.Namespace) -> RequestPool:
     if args.trace:
         return load_trace(args.trace, args.method)
-    for index, rate in enumerate(args.acceptance):
-        if not 0.0 <= rate <= 1.0:
-            raise ScenarioError(f"--acceptance[{index}]", f"must be between 0 and 1, got {rate}")
     return parametric_pool(tuple(args.acceptance), prompt_len=args.prompt_len,
                            output_len=args.output_len, max_k=max(args.k),
                            rng=np.random.default_rng(args.seed),
@@ -140,8 +141,3 @@ def _shares(k_share: dict[str, float]) -> str:
 
 def _ms(value: float | None) -> str:
     return "   n/a" if value is None else f"{value:6.1f}"
-
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2

@@ -34,9 +34,12 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and check a scenario file."""
     source = Path(path)
     try:
-        text = source.read_text()
+        text = source.read_text(encoding="utf-8")
     except OSError as exc:
         raise ScenarioError("", f"cannot read scenario {source}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ScenarioError("", f"scenario {source} is not a TOML text file (byte {exc.start} "
+                                "is not UTF-8)") from None
     return parse_scenario(text, base_dir=source.parent, name=source.stem)
 
 

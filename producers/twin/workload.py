@@ -67,14 +67,17 @@ def load_trace(path: str | Path, method: str) -> RequestPool:
 def _load_trace_cached(path: str, _mtime_ns: int, acc_field: str) -> RequestPool:
     prompts: list[int] = []
     accs: list[list[int]] = []
-    with open(path) as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(raw)
                 acc = row[acc_field]["acc_len"]
                 prompt = len(row["prompt_token_ids"])
+            except UnicodeDecodeError as exc:  # its repr would carry the whole line
+                raise ScenarioError("trace", f"{path}:{number}: not UTF-8 text (byte "
+                                             f"{exc.start} of the line)") from None
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ScenarioError("trace", f"{path}:{number}: not a SpecDecode-Bench "
                                              f"request ({exc!r})") from None

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controller.cli_args import integer
 from tabletune.suite.grid import SUITES
 
 
@@ -27,7 +28,7 @@ def register(commands: Any) -> None:
     )
     bench.add_argument("--suite", choices=sorted(SUITES), default="quick")
     bench.add_argument("--out", required=True, help="results folder")
-    bench.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+    bench.add_argument("--processes", type=integer(1), default=min(2, os.cpu_count() or 1),
                        help="worker processes (default: 2, or 1 on a 1-core machine)")
     bench.add_argument("--markdown", default="BENCHMARKS.md",
                        help="file whose suite section is regenerated (default BENCHMARKS.md)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pyarrow as pa
@@ -166,14 +167,17 @@ def test_read_dataset_reads_files_of_both_schema_versions(tmp_path):
     """A fleet mid-upgrade leaves version-1 files (no finished_requests) beside version-2
     ones; the dataset reads both, the older rows with no requests."""
     hour = tmp_path / "model=m" / "drafter=ngram" / "hardware=h" / "date=2026-12-01"
-    for number, table in enumerate([
-            pa.table({"engine_id": ["e"], "step_seq": [1], "ts_ns": [1]}),
-            pa.table({"engine_id": ["e"], "step_seq": [2], "ts_ns": [2],
-                      "finished_requests": pa.array([[{"request": 0, "segment": 3}]])})]):
+    finished = {"request": 0, "segment": 3, "decode_steps": 4, "drafting_steps": 4,
+                "tokens": 9, "context_tokens": 40, "reached_per_pos": [4], "accepted_per_pos": [3]}
+    version_2 = records_to_table([dataclasses.replace(
+        sample_records(1, engine_id="e", first_seq=2)[0], finished_requests=(finished,))])
+    version_1 = records_to_table(sample_records(1, engine_id="e", first_seq=1)).drop_columns(
+        ["finished_requests"])
+    for number, table in enumerate([version_1, version_2]):
         folder = hour / f"hour={number}"
         folder.mkdir(parents=True)
         pq.write_table(table, folder / f"telemetry-0-{number}-{number}.parquet")
     frame = read_dataset(tmp_path)
     assert frame.get_column("step_seq").to_list() == [1, 2]
-    assert frame.get_column("finished_requests").to_list() == [None, [{"request": 0,
-                                                                       "segment": 3}]]
+    requests = frame.get_column("finished_requests").to_list()
+    assert requests[0] is None and requests[1][0]["segment"] == 3

@@ -124,8 +124,8 @@ def test_frame_bounds_are_checked_settings(tmp_path, capsys):
     with pytest.raises(SettingsError, match="max_frame_records"):
         IngestConfig(out_dir=tmp_path, max_frame_records=10**9)
     assert main(["ingest", "--bootstrap", "127.0.0.1:9", "--out", str(tmp_path),
-                 "--max-frame-records", "0"]) == 1
-    assert "max_frame_records" in capsys.readouterr().err
+                 "--max-frame-records", "0"]) == 2  # a usage error, naming the flag
+    assert "--max-frame-records" in capsys.readouterr().err
 
 
 # ---- defect 3: offsets that restart under a kept dataset --------------------------------

@@ -85,6 +85,8 @@ def test_every_relative_markdown_link_resolves_inside_the_repository() -> None:
 def test_no_tracked_file_cites_the_internal_notes() -> None:
     problems = []
     for path in tracked():
+        if path == Path(__file__).resolve():
+            continue  # its own examples name the notes on purpose
         data = path.read_bytes()
         if b"\0" in data:
             continue  # binary

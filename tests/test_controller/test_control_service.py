@@ -183,7 +183,9 @@ def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(se
 
 
 def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settings, tmp_path):
-    fleet = Fleet(ngram_chat_to_code(code_s=150), settings,
+    # code_s: room after the kill and the force's expiry for the restart to serve live steps,
+    # even when a busy machine slows the restarted process's start-up
+    fleet = Fleet(ngram_chat_to_code(code_s=250), settings,
                   FleetConfig(engines=4, speedup=SPEEDUP))
     first = ControlProcess(settings, tmp_path / "control-1.log").start()
     second = ControlProcess(settings, tmp_path / "control-2.log")
@@ -200,6 +202,7 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
         # the force's expiry (its block + LoopConfig.force_grace_s, 30 virtual seconds)
         assert wait_for(lambda: not any(e.engine.switch.forced for e in fleet.engines), 60)
         second.start()
+        assert wait_for(lambda: "(live)" in second.log(), 120), second.log()
         fleet.join()
     finally:
         first.stop()

@@ -1,8 +1,10 @@
-"""Reading telemetry back from a real broker in tests: explicit offsets, idle-poll end."""
+"""Reading telemetry back from a real broker in tests: explicit offsets, idle-poll end; and
+waiting for what a broker delivers."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
@@ -47,3 +49,13 @@ def read_telemetry(bootstrap: str, *, topic: str = "tabletune.telemetry",
                                                  ("step_seq", "ascending")])
     finally:
         consumer.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """Polls `predicate` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False

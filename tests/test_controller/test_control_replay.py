@@ -8,7 +8,6 @@ import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Callable
 
 import pytest
 from kafka import KafkaProducer
@@ -25,6 +24,7 @@ from producers.metrics import engine_counters
 from schemas import DraftTable, EnvelopeError, TableControl, TableEnvelope, TableKey
 from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings
+from tests.kafka_helpers import wait_until
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
 SECRET = b"replay-test-secret"
@@ -153,15 +153,6 @@ def test_a_force_with_no_keys_has_a_maximum_duration() -> None:
     assert switch.forced and switch.table == DraftTable.from_vllm([[1, 64, 3]])
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _follow(settings: Settings, name: str) -> tuple[TableFeed, TableSwitch, StatusPublisher]:
     switch = TableSwitch(STARTUP, max_k=5, max_batch=64)
     status = StatusPublisher(None, name, str(KEY))
@@ -182,15 +173,15 @@ def test_a_replayed_rollback_on_the_broker_is_refused_live_and_after_a_restart(
         def on(version: int) -> bool:
             switch.apply_staged()
             return switch.version == version
-        assert _wait(lambda: on(3))
+        assert wait_until(lambda: on(3))
         offset = publish(settings, control(KEY, "rollback"))
-        assert _wait(lambda: on(2))
+        assert wait_until(lambda: on(2))
         original = [m for m in _tables(settings) if m[0] == offset][0][1]
         producer = KafkaProducer(bootstrap_servers=list(settings.bootstrap_servers))
         for _ in range(2):
             producer.send(settings.topics.tables, key=str(KEY).encode(), value=original).get(10)
         producer.close()
-        assert _wait(lambda: len(rejected(status)) == 2)
+        assert wait_until(lambda: len(rejected(status)) == 2)
         time.sleep(1.0)  # nothing more comes
         switch.apply_staged()
         assert switch.version == 2
@@ -200,7 +191,7 @@ def test_a_replayed_rollback_on_the_broker_is_refused_live_and_after_a_restart(
         feed.stop()
     restarted, restarted_switch, restarted_status = _follow(settings, "live-engine")
     try:
-        assert _wait(lambda: len(rejected(restarted_status)) == 2)
+        assert wait_until(lambda: len(rejected(restarted_status)) == 2)
         time.sleep(1.0)
         restarted_switch.apply_staged()
         assert restarted_switch.version == 2

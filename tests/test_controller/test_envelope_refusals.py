@@ -26,6 +26,7 @@ from fitter.surface.synthetic import make_step_records
 from schemas import DraftTable, TableKey
 from schemas.envelope import MAX_ENVELOPE_BYTES
 from schemas.settings import Settings
+from tests.kafka_helpers import wait_until
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
 LIMITS = EngineLimits(KEY, frozenset(range(6)), 64)
@@ -105,15 +106,6 @@ def test_bad_envelopes_are_refused_before_anything_is_sized_from_them(fitted) ->
     assert switch.version == 5 and status.counts["rejected"] == 3
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _send(settings: Settings, values: list[bytes]) -> None:
     producer = KafkaProducer(bootstrap_servers=list(settings.bootstrap_servers))
     for value in values:
@@ -138,14 +130,14 @@ def test_bad_envelopes_on_the_broker_are_each_refused_once(topic_settings: Setti
         def running(version: int) -> bool:
             switch.apply_staged()
             return switch.version == version
-        assert _wait(lambda: running(1))
-        assert _wait(lambda: len(rejected(status)) >= 3)
+        assert wait_until(lambda: running(1))
+        assert wait_until(lambda: len(rejected(status)) >= 3)
         time.sleep(2.0)  # a feed that fails retries after 1 s: time for it to show
         assert running(1) and not switch.pending
         assert [(e["offset"], e["reason"]) for e in rejected(status)] == [
             (1, "bad_envelope"), (2, "bad_envelope"), (3, "bad_envelope")]
         _send(topic_settings, [variant(fitted, 5)])
-        assert _wait(lambda: running(5))
+        assert wait_until(lambda: running(5))
         assert len(rejected(status)) == 3
     finally:
         feed.stop()
@@ -173,7 +165,7 @@ def test_a_feed_that_fails_goes_on_after_the_last_message_it_read(topic_settings
         def running(version: int) -> bool:
             switch.apply_staged()
             return switch.version == version
-        assert _wait(lambda: running(1))
+        assert wait_until(lambda: running(1))
         assert switch.failed
         assert [(e["offset"], e["reason"]) for e in rejected(status)] == [(0, "bad_envelope")]
     finally:

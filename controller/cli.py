@@ -11,7 +11,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.cli_args import NON_NEGATIVE, POSITIVE, integer, number, table_key
-from controller.table_log import control, publish, read_log, read_topic
+from controller.table_log import check_tables_topic, control, publish, read_log, read_topic
 from fitter.kafka_clients import check_reachable
 from schemas import EnvelopeError, TableControl, TableEnvelope, TableError, TableKey
 from schemas.settings import Settings
@@ -96,6 +96,7 @@ def run_control_service(args: argparse.Namespace) -> int:
     from fitter.derive import fit_table
 
     settings = _settings(args)
+    check_tables_topic(settings)  # a compacted or expiring log folds to another state
     try:
         key = None if args.key is None else TableKey.parse(args.key)
         config = ControlRunConfig(key=key, lookback_s=args.lookback_s)

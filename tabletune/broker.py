@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from controller.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import TopicNames
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,9 @@ class TopicLayout:
     def new_topics(self) -> list[NewTopic]:
         return [
             NewTopic(self.names.telemetry, self.telemetry_partitions, 1),
-            # Kept whole: controls share their key with the envelopes, so a compacted log
-            # would keep only a key's last record (a release, say) and lose its tables.
-            NewTopic(self.names.tables, 1, 1, topic_configs={"cleanup.policy": "delete",
-                                                            "retention.ms": "-1"}),
+            # Kept whole: an engine replaying a compacted or expiring log would fold to
+            # another state than it followed live (controller.table_log).
+            NewTopic(self.names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
             NewTopic(self.names.status, 1, 1),
             NewTopic(self.names.dlq, 1, 1),
         ]

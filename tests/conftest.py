@@ -12,6 +12,7 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
+from controller.table_log import TABLES_TOPIC_CONFIG
 from producers.twin.synthetic_traces import PROFILES, write_traces
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
@@ -51,7 +52,8 @@ def topic_settings(broker: EmbeddedBroker, unique_name: str) -> Settings:
     names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
                        status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
     admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-    admin.create_topics([NewTopic(names.telemetry, 4, 1), NewTopic(names.tables, 1, 1),
+    admin.create_topics([NewTopic(names.telemetry, 4, 1),
+                         NewTopic(names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
                          NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
     admin.close()
     return Settings(bootstrap_servers=(broker.bootstrap,), topics=names)

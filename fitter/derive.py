@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface
+from fitter.surface.spread import RequestSpreadTest
 from schemas.draft_table import DraftTable
 from schemas.envelope import TableEnvelope, TableKey
 
@@ -171,6 +172,8 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
                                           else surface.tokens_per_request),
         "latency_observed_k": [int(k) for k in fit.latency.observed_k_],
         **({} if fit.composition is None else {"composition": _mixture(fit.composition)}),
+        **({} if fit.request_spread is None
+           else {"request_spread": _spread(fit.request_spread)}),
         "latency_residual_scale": _round(fit.latency.residual_scale_),
     }
 
@@ -261,6 +264,13 @@ def _mixture(composition: CompositionModel) -> dict[str, list[float]]:
     held = composition.arrival_share_ >= 1e-3
     return {"rates": _round_list(composition.rates_[held]),
             "arrival_share": _round_list(composition.arrival_share_[held])}
+
+
+def _spread(test: RequestSpreadTest) -> dict[str, Any]:
+    """What the request test saw, for a reader of the envelope: whether the per-request
+    corrections were applied, and on how much evidence."""
+    return {"requests": test.n_requests_, "dispersion": _round(test.dispersion_),
+            "z": _round(test.z_), "identified": test.identified_}
 
 
 def _round(value: float) -> float:

@@ -6,6 +6,7 @@ from fitter.surface.fit import SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface, evaluate_surface
 from fitter.surface.latency import LATENCY_COLUMNS, StepLatencyModel, decode_matrix
 from fitter.surface.share import DraftShareModel
+from fitter.surface.spread import RequestSpreadTest
 from fitter.surface.validation import NotFittedError
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "DraftShareModel",
     "GoodputSurface",
     "NotFittedError",
+    "RequestSpreadTest",
     "StepLatencyModel",
     "SurfaceFit",
     "decode_matrix",

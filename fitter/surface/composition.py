@@ -26,9 +26,12 @@ for, lagged by a request's lifetime). Multiplied out, sum_j f_j (q_i - a_j^i) / 
 to one. Seven positions pin down a few atoms of f, which is all the harmonic mean needs.
 
 Where it is wrong: when requests do not differ (every request accepts alike, as in
-`fitter.surface.synthetic`), it still reads the curvature of q_i as a spread of rates and
-bends the prediction. Real traffic's requests do differ (SpecDecode-Bench traces), and
-nothing in per-step telemetry can tell the two apart without runs at other K.
+`fitter.surface.synthetic` or the twin's parametric profiles), it still reads the curvature
+of q_i (positions whose conditional rates differ) as a spread of rates and bends the
+prediction. Per-step telemetry cannot tell the two apart; the finished requests' ledger can,
+and `fitter.surface.fit` fits this model only where `fitter.surface.spread` finds their
+first-position acceptance spread beyond a shared rate's binomial scatter (real traffic's
+requests do differ: SpecDecode-Bench traces). Otherwise c(K) = 1.
 
 X layout (one row per draft position): `COMPOSITION_COLUMNS`; y: accepted drafts at that
 position per decode request.

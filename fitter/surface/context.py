@@ -19,6 +19,11 @@ the segments' mean contexts. `predict(K)` is that over the mean the telemetry's 
 held (weighted by the steps they took): a factor on the context the surface is priced at
 (how well it predicts another K's context: docs/TUNING.md).
 
+When it applies. Where requests accept alike every K's batch holds them in the same
+proportions and the factor is 1; fitted anyway it would weigh each request by its own
+acceptance noise. So `fitter.surface.fit` fits it only where `fitter.surface.spread` finds
+the requests' acceptance spread beyond chance.
+
 X layout (one row per request segment): `CONTEXT_COLUMNS` then `reached_1..P`, then
 `accepted_1..P`.
 """

@@ -3,6 +3,13 @@
 This is the orchestration between raw telemetry and the two estimators: dedupe, recency
 weights, aggregation into cells, and the context each batch size is evaluated at. The math
 is in `latency`, `acceptance` and `goodput`; this module only wires them.
+
+It also decides which corrections the telemetry identifies (docs/MODEL.md). The draft share
+s is always measured (every step says how many requests drafted). The per-request
+corrections (batch composition, the share each K's batch drafts at, each K's batch context)
+are fitted only when the finished requests' ledger shows that requests accept differently
+(`fitter.surface.spread`); without a ledger, or on requests that accept alike, the fit is
+the plain surface: the pooled chain, the observed share, one context per batch size.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from fitter.surface.goodput import (
 )
 from fitter.surface.latency import StepLatencyModel
 from fitter.surface.share import DraftShareModel
+from fitter.surface.spread import RequestSpreadTest
 from fitter.surface.telemetry import (
     acceptance_rows,
     composition_by_position,
@@ -68,10 +76,14 @@ class SurfaceFit:
     """Share of decode requests that draft (n-gram: those with a match); None = all do."""
     composition: CompositionModel | None = None
     """The arrival mixture behind the pooled acceptance: what each K's own batch emits
-    (`fitter.surface.composition`); None when no position was drafted."""
+    (`fitter.surface.composition`); None when off, not identified (`request_spread`) or no
+    position was drafted."""
     request_context: RequestContextModel | None = None
     """Each K's own batch context (`fitter.surface.context`), from the finished requests'
-    sums; None without enough of them (then every K is priced at `context_tokens`)."""
+    sums; None when off or not identified (then every K is priced at `context_tokens`)."""
+    request_spread: RequestSpreadTest | None = None
+    """The test of whether requests accept differently (`fitter.surface.spread`), which
+    switches `composition` and `request_context` on; None without a request ledger."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -107,14 +119,16 @@ def fit_surface(
 
     `records` is a table with the step-record columns (pyarrow or polars). The estimators
     passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
-    `batch_composition` models which requests each K's batch holds
-    (`fitter.surface.composition`); off, the pooled per-position chain stands, which is
-    right only where requests accept alike (synthetic telemetry, not real traffic).
-    `request_context` prices each K at its own batch's context from the finished requests'
-    sums (`fitter.surface.context`) when the records hold at least `MIN_CONTEXT_REQUESTS`.
-    `steps_since_ns`: the step models take only the steps from then on, the request context
-    every finished request in `records` (a re-profile's steady runs for the former, all of
-    its requests for the latter: which requests a batch holds is a question of many).
+    `batch_composition` allows modelling which requests each K's batch holds
+    (`fitter.surface.composition`) and `request_context` pricing each K at its own batch's
+    context (`fitter.surface.context`, from at least `MIN_CONTEXT_REQUESTS` finished
+    requests); either applies only where the finished requests identify it
+    (`fitter.surface.spread`: they accept differently). Otherwise the pooled per-position
+    chain stands and every K is priced at one context per batch size, which is right where
+    requests accept alike.
+    `steps_since_ns`: the step models take only the steps from then on, the request test and
+    context every finished request in `records` (a re-profile's steady runs for the former,
+    all of its requests for the latter: which requests a batch holds is a question of many).
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -145,8 +159,11 @@ def fit_surface(
     draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
                    if share_weight.size else None)
 
+    ledger = request_segment_rows(requests, acceptance.n_positions_)
+    spread = RequestSpreadTest().fit(ledger) if ledger.shape[0] else None
+    identified = spread is not None and spread.identified_
     composition = (_fit_composition(frame, weights, acceptance, draft_share)
-                   if batch_composition else None)
+                   if batch_composition and identified else None)
     context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
@@ -161,18 +178,11 @@ def fit_surface(
         latency_extrapolation_rel=latency_extrapolation_rel,
         draft_share=draft_share,
         composition=composition,
-        request_context=_fit_request_context(requests, acceptance.n_positions_)
-        if request_context else None,
+        request_context=(RequestContextModel().fit(ledger)
+                         if request_context and identified
+                         and np.unique(ledger[:, 0]).size >= MIN_CONTEXT_REQUESTS else None),
+        request_spread=spread,
     )
-
-
-def _fit_request_context(frame: Any, n_positions: int) -> RequestContextModel | None:
-    """Each K's batch context from the finished requests in `frame`; None with fewer than
-    `MIN_CONTEXT_REQUESTS` of them."""
-    rows = request_segment_rows(frame, n_positions)
-    if rows.shape[0] == 0 or np.unique(rows[:, 0]).size < MIN_CONTEXT_REQUESTS:
-        return None
-    return RequestContextModel().fit(rows)
 
 
 def _fit_composition(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,

@@ -5,7 +5,10 @@ draft (`fitter.surface.share`; 1 for EAGLE and draft models, where G = B * AL / 
 batch-composition factor, what K's own batch emits over the pooled chain
 (`fitter.surface.composition`; 1 without a mixture); T is evaluated at the drafts actually
 verified, s(K) * r * K per request, s(K) the share K's own batch drafts at (the mixture's,
-`CompositionModel.draft_share`; s without one).
+`CompositionModel.draft_share`; s without one), and at each K's own batch context (the
+request context model's factor; 1 without one). The fit leaves the mixture and the request
+context out where the telemetry does not identify them (`fitter.surface.fit`,
+docs/MODEL.md).
 
 Uncertainty is propagated analytically (delta method on log G): it is exact enough for a
 ranking question and costs one small matrix product per cell, where a bootstrap would refit

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import ArrayLike, NDArray
 
-from schemas.step_record import SCHEMA_VERSION, STEP_RECORD_SCHEMA
+from schemas.step_record import REQUEST_SEGMENT_TYPE, SCHEMA_VERSION, STEP_RECORD_SCHEMA
 
 SHAREGPT_EAGLE_CONDITIONAL: tuple[float, ...] = (0.66, 0.576, 0.553, 0.66, 0.66, 0.66, 0.66)
 """Conditional acceptance per position consistent with the ShareGPT EAGLE AL column of
@@ -69,6 +69,10 @@ class CostModel:
 
 H100_EAGLE = CostModel()
 
+LEDGER_MEAN_STEPS = 200.0
+"""Decode steps per synthetic finished request (Gamma, shape 2): a few hundred tokens at K > 0,
+as the twin's parametric requests."""
+
 
 def true_acceptance_length(conditional: Sequence[float], k: ArrayLike) -> NDArray[np.float64]:
     """AL(K) = 1 + sum_{i<=K} prod_{j<=i} p_j for the generator's conditional rates."""
@@ -96,6 +100,7 @@ def make_step_records(
     forced: bool = False,
     start_ns: int = 1_700_000_000_000_000_000,
     draft_share: float = 1.0,
+    finished_per_step: float = 0.0,
 ) -> pa.Table:
     """`n_steps` step records; K is uniform over `k_values` or, if given, `k_table[batch]`.
 
@@ -107,6 +112,9 @@ def make_step_records(
     `draft_share` < 1 is an n-gram-like drafter: each decode request drafts K tokens with that
     probability and proposes nothing otherwise (`conditional` is then acceptance among
     drafting requests); a step where nobody drafted verifies nothing (k = 0, k_next = K).
+    `finished_per_step` > 0 gives each step a Poisson number of finished requests whose
+    ledger (`finished_requests`) accepts like the steps, every request alike (0: none, and
+    each K is priced at one context).
     """
     rng = np.random.default_rng(seed)
     batch = np.floor(np.exp(rng.uniform(0.0, np.log(max_batch + 1.0), n_steps))).astype(np.int64)
@@ -168,9 +176,8 @@ def make_step_records(
         "step_latency_s": latency,
         "inter_step_s": np.full(n_steps, 2e-4),
         "forced": np.full(n_steps, forced),
-        # synthetic steps have no requests behind them: each K is priced at one context
-        "finished_requests": pa.array([[]] * n_steps,
-                                      type=STEP_RECORD_SCHEMA.field("finished_requests").type),
+        "finished_requests": _ledger(np.random.default_rng([seed, 1]), finished_per_step,
+                                     k_next, conditional, draft_share, context_tokens),
     }
     return pa.table({name: columns[name] for name in STEP_RECORD_SCHEMA.names},
                     schema=STEP_RECORD_SCHEMA)
@@ -199,3 +206,42 @@ def _padded(conditional: Sequence[float], n_positions: int) -> NDArray[np.float6
     if rates.size < n_positions:
         rates = np.concatenate([rates, np.full(n_positions - rates.size, rates[-1])])
     return rates[:n_positions]
+
+
+def _ledger(rng: np.random.Generator, per_step: float, k: NDArray[np.int64],
+            conditional: Sequence[float], draft_share: float,
+            context_tokens: float) -> pa.ListArray:
+    """Finished requests per step, one segment each: steps ~ Gamma around
+    `LEDGER_MEAN_STEPS`, drafting at `draft_share` at the step's K, positions accepted at
+    `conditional` (chained), whatever the request. Its own random stream: the steps' draws
+    stay as they were without it."""
+    counts = rng.poisson(per_step, k.size) if per_step > 0 else np.zeros(k.size, np.int64)
+    n = int(counts.sum())
+    request_k = np.repeat(k, counts)
+    steps = np.maximum(np.rint(rng.gamma(2.0, LEDGER_MEAN_STEPS / 2.0, n)), 1).astype(np.int64)
+    reached = np.where(request_k > 0, rng.binomial(steps, draft_share), 0)
+    drafting = reached.copy()
+    positions = max(int(k.max(initial=0)), 1)
+    rates = _padded(conditional, positions)
+    reached_rows = np.zeros((n, positions), np.int64)
+    accepted_rows = np.zeros((n, positions), np.int64)
+    for i in range(positions):
+        reached = np.where(request_k > i, reached, 0)
+        reached_rows[:, i] = reached
+        accepted_rows[:, i] = rng.binomial(reached, rates[i])
+        reached = accepted_rows[:, i]
+    in_list = np.arange(positions)[None, :] < request_k[:, None]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(request_k)]).astype(np.int32))
+    segments = pa.StructArray.from_arrays(
+        [pa.array(np.concatenate([np.arange(c) for c in counts]).astype(np.int32)
+                  if n else np.zeros(0, np.int32)),
+         pa.array(np.zeros(n, np.int8)),
+         pa.array(steps.astype(np.int32)),
+         pa.array(drafting.astype(np.int32)),
+         pa.array((steps + accepted_rows.sum(axis=1)).astype(np.int32)),
+         pa.array(np.rint(steps * context_tokens).astype(np.int64)),
+         pa.ListArray.from_arrays(offsets, pa.array(reached_rows[in_list].astype(np.int32))),
+         pa.ListArray.from_arrays(offsets, pa.array(accepted_rows[in_list].astype(np.int32)))],
+        fields=list(REQUEST_SEGMENT_TYPE))
+    step_offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    return pa.ListArray.from_arrays(step_offsets, segments)

@@ -171,7 +171,7 @@ def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
 
 def assert_reprofile_restarted(scenario: Scenario) -> None:
     """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
-    regime moved under it after 160 s (during its confirmation) and sweeps again: the next
+    regime moved under it after 145 s (during its confirmation) and sweeps again: the next
     decisions are a new confirmation, then the refit."""
     policy = TabletunePolicy()
     run_scenario(scenario, policy)
@@ -181,7 +181,7 @@ def assert_reprofile_restarted(scenario: Scenario) -> None:
             if d["what"] in ("stale", "confirm", "reprofile_restarted", "refit")
             and d.get("reason") != "periodic" and d["t_s"] > 70.0]
     restarted = [t for w, t in what if w == "reprofile_restarted"]
-    assert restarted and restarted[0] > 160.0, what
+    assert restarted and restarted[0] > 145.0, what
     after = [w for w, t in what if t > restarted[0]]
     assert after[:2] == ["confirm", "refit"], what
 
@@ -189,14 +189,14 @@ def assert_reprofile_restarted(scenario: Scenario) -> None:
 def test_a_reprofile_the_load_moved_under_starts_again() -> None:
     """The load drops 6x while the confirmation runs, so the K values confirmed came from a
     sweep at another load."""
-    assert_reprofile_restarted(ngram_chat_to_code(code_s=90, code_c8_s=120))
+    assert_reprofile_restarted(ngram_chat_to_code(code_s=75, code_c8_s=120))
 
 
 def test_a_reprofile_the_workload_switched_under_starts_again() -> None:
     """The workload switches back to chat while the confirmation runs (same load), so the K
     values confirmed came from a sweep of code traffic: the first draft position's
     acceptance at the end is far off the sweep's."""
-    assert_reprofile_restarted(ngram_chat_to_code(code_s=90, chat_again_s=120,
+    assert_reprofile_restarted(ngram_chat_to_code(code_s=75, chat_again_s=120,
                                                   chat_again=NGRAM_CHAT_TRACE))
 
 

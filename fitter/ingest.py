@@ -5,7 +5,8 @@ accumulate into a window that closes on count or age. Closing a window is a numb
 sequence (Quix Streams' checkpoint):
   1. write each hive group to a temp file, fsync it,
   2. rename it to its final name (topic, partition and offset range) and fsync the folder,
-  3. flush the dead-letter producer,
+  3. flush the dead-letter producer (frames refused whole, and the window's invalid rows)
+     and check that the broker acknowledged every message; if not, stop here,
   4. commit offset + 1 synchronously.
 A crash anywhere leaves either nothing durable for the window (temp files of dead writers are
 removed at start-up) or final files whose names say which offsets they may hold: the window
@@ -24,7 +25,12 @@ member) is logged and treated the same way; ingest keeps running.
 
 Malformed frames go to the dead-letter topic with the reason and source offset; so do frames
 that would decompress past `max_frame_bytes` or hold more than `max_frame_records` (refused
-before they are expanded). The job never stops on bad data.
+before they are expanded). Rows of a good frame that fail a semantic check
+(`schemas.step_checks`: a negative batch, accepted > drafted, NaN latency, a stamp in 2262)
+are left out of the Parquet files and dead-lettered too, at window close: one message per
+source offset and check, a frame of just those rows, its reason naming the field
+(`invalid_batch_size`). A window commits only once its files are renamed and every
+dead-letter message sent for it is acknowledged. The job never stops on bad data.
 
 `until_idle_s` (batch jobs) stops only once caught up: every partition of the topic, whoever
 owns it, committed by the group up to its end offset. Idle but behind (a member holds
@@ -69,9 +75,10 @@ from fitter.dataset import (
     offset_files,
 )
 from fitter.kafka_clients import close_producer
-from schemas import FrameError, decode_frame
+from schemas import FrameError, decode_frame, encode_frame
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
 from schemas.settings import Settings, SettingsError
+from schemas.step_checks import MAX_FUTURE_S, StepChecks, Violation, check_steps
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,9 @@ class IngestConfig:
     """Largest decompressed frame accepted; larger ones are dead-lettered (too_large)."""
     max_frame_records: int = DEFAULT_MAX_FRAME_RECORDS
     """Most records accepted in one frame; more are dead-lettered (too_many_records)."""
+    max_future_s: float = MAX_FUTURE_S
+    """Records stamped further than this after the ingest clock are dead-lettered
+    (invalid_ts_ns); raise it for twin fleets paced far faster than real time."""
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SettingsError:
@@ -132,6 +142,8 @@ class IngestConfig:
             raise bad("max_frame_bytes", f"must be within 1024..{MAX_FRAME_BYTES_LIMIT}")
         if not 1 <= self.max_frame_records <= MAX_FRAME_RECORDS_LIMIT:
             raise bad("max_frame_records", f"must be within 1..{MAX_FRAME_RECORDS_LIMIT}")
+        if not 0 <= self.max_future_s < float("inf"):
+            raise bad("max_future_s", "must be finite and >= 0")
 
 
 @dataclass
@@ -141,6 +153,12 @@ class IngestCounters:
     files: int = 0
     windows: int = 0
     dlq: int = 0
+    """Dead-letter messages sent (frames refused whole, and messages of invalid rows)."""
+    invalid_records: int = 0
+    """Rows of decodable frames that failed a semantic check (dead-lettered, not written)."""
+    dlq_failures: int = 0
+    """Dead-letter messages the broker did not acknowledge: their window was not committed
+    (read again)."""
     skipped_duplicates: int = 0
     reset_records: int = 0
     """Records at offsets an existing file covers that the file does not hold (the topic's
@@ -233,6 +251,8 @@ class Ingestor:
         self._windows: dict[int, _Window] = {}
         self._consumer: KafkaConsumer | None = None
         self._dlq: KafkaProducer | None = None
+        self._dlq_sent: list[object] = []
+        """Futures of dead-letter sends not yet checked at a window commit."""
         self._stop = False
         self._lag_checked = 0.0
         self._changes = _AssignmentChanges()
@@ -415,22 +435,78 @@ class Ingestor:
         self.counters.frames += 1
 
     def _dead_letter(self, partition: int, message: object, error: FrameError) -> None:
+        original = [(f"original-{k}", v) for k, v in (message.headers or [])]
+        source = self._send_dlq(partition, message.offset, error.reason, error.detail,
+                                message.value or b"", original)
+        log.warning("dead-lettered %s: %s", source, error)
+
+    def _send_dlq(self, partition: int, offset: int, reason: str, detail: str, value: bytes,
+                  headers: list[tuple[str, bytes]]) -> str:
         if self._dlq is None:
             self._dlq = KafkaProducer(**self.settings.client_kwargs(), linger_ms=5,
                                       max_request_size=16 * 1024 * 1024)
-        source = f"{self.topic}:{partition}:{message.offset}"
-        headers = [("tabletune-dlq-reason", error.reason.encode()),
-                   ("tabletune-dlq-detail", error.detail.encode()[:2000]),
+        source = f"{self.topic}:{partition}:{offset}"
+        headers = [("tabletune-dlq-reason", reason.encode()),
+                   ("tabletune-dlq-detail", detail.encode()[:2000]),
                    ("tabletune-source-topic", self.topic.encode()),
                    ("tabletune-source-partition", str(partition).encode()),
-                   ("tabletune-source-offset", str(message.offset).encode())]
-        headers += [(f"original-{k}", v) for k, v in (message.headers or [])]
-        self._dlq.send(self.settings.topics.dlq, key=source.encode(),
-                       value=message.value or b"", headers=headers)
+                   ("tabletune-source-offset", str(offset).encode()), *headers]
+        self._dlq_sent.append(self._dlq.send(self.settings.topics.dlq, key=source.encode(),
+                                             value=value, headers=headers))
         self.counters.dlq += 1
-        self.counters.dlq_reasons[error.reason] = self.counters.dlq_reasons.get(
-            error.reason, 0) + 1
-        log.warning("dead-lettered %s: %s", source, error)
+        self.counters.dlq_reasons[reason] = self.counters.dlq_reasons.get(reason, 0) + 1
+        return source
+
+    def _screen(self, partition: int, table: pa.Table) -> pa.Table:
+        """The rows of a window that pass the semantic checks; the others are sent to the
+        dead-letter topic (flushed before the window commits)."""
+        checks = check_steps(table, now_ns=time.time_ns(),
+                             max_future_s=self.config.max_future_s)
+        if checks.ok:
+            return table
+        self._dead_letter_rows(partition, table, checks)
+        return table.filter(pa.array(checks.valid))
+
+    def _dead_letter_rows(self, partition: int, table: pa.Table, checks: StepChecks) -> None:
+        """One message per (check, source offset, engine): a frame of those rows, so the
+        dead-letter topic holds every record left out, decodable as telemetry."""
+        offsets = table.column(SOURCE_OFFSET).to_numpy()
+        records = table.drop_columns([SOURCE_PARTITION, SOURCE_OFFSET])
+        for violation in checks.violations:
+            at = offsets[violation.rows]
+            order = np.argsort(at, kind="stable")
+            starts = np.flatnonzero(np.r_[True, at[order][1:] != at[order][:-1]])
+            for group in np.split(order, starts[1:]):
+                self._dead_letter_group(partition, int(at[group[0]]), records,
+                                        violation.subset(group))
+            self.counters.invalid_records += len(violation.rows)
+            log.warning("dead-lettered %d rows of %s:%d offsets %d-%d: %s",
+                        len(violation.rows), self.topic, partition, int(at.min()),
+                        int(at.max()), violation.detail)
+
+    def _dead_letter_group(self, partition: int, offset: int, records: pa.Table,
+                           violation: Violation) -> None:
+        rows = records.take(pa.array(violation.rows))
+        engines = rows.column("engine_id").to_numpy(zero_copy_only=False)
+        for engine in dict.fromkeys(engines):  # one engine per frame (a forged one may mix)
+            mine = np.flatnonzero(engines == engine)
+            frame = encode_frame(rows.take(pa.array(mine)))
+            self._send_dlq(partition, offset, violation.reason,
+                           violation.subset(mine).detail, frame.value,
+                           [("tabletune-dlq-field", violation.field.encode()),
+                            *frame.headers])
+
+    def _dlq_delivered(self) -> bool:
+        """After a flush: True when every dead-letter message sent since the last check was
+        acknowledged. A failed one keeps the window uncommitted: it is read again."""
+        sent, self._dlq_sent = self._dlq_sent, []
+        failed = [future for future in sent if future.failed()]
+        if not failed:
+            return True
+        self.counters.dlq_failures += len(failed)
+        log.error("%d dead-letter messages were not acknowledged (%s): the window is not "
+                  "committed and is read again", len(failed), failed[0].exception)
+        return False
 
     # ---- window close ---------------------------------------------------------------------
     def _close_windows(self, *, force: bool) -> None:
@@ -450,10 +526,14 @@ class Ingestor:
             self._rewind = True
             return False
         if window.tables:
-            records = pl.from_arrow(pa.concat_tables(window.tables))
-            self._write_groups(partition, records)
+            records = self._screen(partition, pa.concat_tables(window.tables))
+            if records.num_rows:
+                self._write_groups(partition, pl.from_arrow(records))
         if self._dlq is not None:
             self._dlq.flush(timeout=30)
+            if not self._dlq_delivered():
+                self._rewind = True
+                return False
         self.on_stage("dlq_flushed")
         assert self._consumer is not None
         tp = TopicPartition(self.topic, partition)

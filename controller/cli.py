@@ -94,6 +94,7 @@ def run_control_service(args: argparse.Namespace) -> int:
     from controller.control_runner import ControlRunConfig, ControlRunner
     from controller.loop_config import LoopConfig
     from fitter.derive import fit_table
+    from fitter.engine_consensus import with_screening
 
     settings = _settings(args)
     check_tables_topic(settings)  # a compacted or expiring log folds to another state
@@ -105,7 +106,9 @@ def run_control_service(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     decisions = None if args.decisions is None else open(args.decisions, "w")
-    runner = ControlRunner(settings, fit_table, config=config, loop_config=loop_config)
+    # every fit screened: the service reads the telemetry topic itself, not ingest's checks
+    runner = ControlRunner(settings, with_screening(fit_table), config=config,
+                           loop_config=loop_config)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
     try:
         runner.run(timeout_s=args.duration_s)

@@ -22,6 +22,7 @@ import numpy as np
 import polars as pl
 
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
+from fitter.engine_consensus import Screening, screen
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
 from schemas import TableEnvelope, TableKey
 
@@ -49,6 +50,9 @@ class RefitDecision:
     threshold: float
     current_version: int | None
     stale: bool
+    screening: Screening | None = None
+    """What was left out of the fit: invalid rows, engines that disagree with the rest
+    (`dropped_engines`), engines capped (`fitter.engine_consensus`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"publish": self.publish, "reason": self.reason,
@@ -56,7 +60,8 @@ class RefitDecision:
                 else round(self.predicted_gain, 6),
                 "threshold": self.threshold, "current_version": self.current_version,
                 "version": self.envelope.version, "stale": self.stale,
-                "key": str(self.envelope.key), "table": self.envelope.table.to_vllm()}
+                "key": str(self.envelope.key), "table": self.envelope.table.to_vllm(),
+                "screening": None if self.screening is None else self.screening.to_dict()}
 
 
 def key_from_records(records: Any) -> TableKey:
@@ -123,12 +128,18 @@ def decide_refit(
     Defaults come from the current envelope (max batch, startup K set, key) and otherwise
     from the records (their one table key, the largest K and batch size they show).
     The candidate's version is max(newest_version, current.version) + 1.
+    The fit sees `fitter.engine_consensus.screen(records)`: no invalid rows, no engine that
+    disagrees with the rest, none outweighing them (what went is in `screening`).
     """
     if threshold < 0:
         raise RefitError(f"threshold={threshold} must be >= 0")
     frame = _frame(records)
     if frame.height == 0:
         raise RefitError("no telemetry records to fit")
+    frame, screening = screen(frame)
+    if frame.height == 0:
+        raise RefitError(f"no telemetry records left to fit after screening "
+                         f"({screening.to_dict()})")
     if key is None:
         key = current.key if current is not None else key_from_records(frame)
     key = key if isinstance(key, TableKey) else TableKey.parse(key)
@@ -145,21 +156,24 @@ def decide_refit(
     fit = fit_surface(frame, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
                       now_ns=now_ns, **fit_options)
     base = max(newest_version, current.version if current is not None else 0)
+    screened = {"screening": screening.to_dict()} if screening.changed else {}
     candidate = derive_envelope(
         fit, key=key, version=base + 1, max_k=max_k, max_batch=max_batch,
         startup_k_values=startup_k_values, tolerance=tolerance, created_at=created_at,
-        provenance={"source": "refit", "stale": stale, **dict(provenance or {})})
+        provenance={"source": "refit", "stale": stale, **screened, **dict(provenance or {})})
     if current is None:
-        return RefitDecision(candidate, True, "no current table", None, threshold, None, stale)
+        return RefitDecision(candidate, True, "no current table", None, threshold, None, stale,
+                             screening)
     gain = predicted_gain(fit, candidate, current, time_share_by_batch(frame, max_batch))
     candidate = dataclasses.replace(
         candidate, provenance={**candidate.provenance, "predicted_gain": round(gain, 6),
                                "replaces_version": current.version})
     if stale:
-        return RefitDecision(candidate, True, "stale", gain, threshold, current.version, stale)
+        return RefitDecision(candidate, True, "stale", gain, threshold, current.version, stale,
+                             screening)
     publish = gain > threshold
     return RefitDecision(candidate, publish, "gain" if publish else "below threshold", gain,
-                         threshold, current.version, stale)
+                         threshold, current.version, stale, screening)
 
 
 def parse_since(text: str) -> dt.timedelta:

@@ -8,13 +8,14 @@ a restart that replays the whole log applies only the final state. Pure: no Kafk
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from controller.validation import EngineLimits, Rejection, check_envelope, check_table
 from schemas import DraftTable, SignatureError, TableControl, TableEnvelope
+from schemas.signing import Keyring
 
 Emit = Callable[..., None]
 """emit(event, **fields): report a decision on the status topic."""
@@ -49,7 +50,7 @@ class TableAgentState:
 class TableAgent:
     """Decides the desired table version from the log; one instance per engine and key."""
 
-    def __init__(self, limits: EngineLimits, keyring: Mapping[str, bytes], emit: Emit, *,
+    def __init__(self, limits: EngineLimits, keyring: Keyring, emit: Emit, *,
                  engine_id: str | None = None) -> None:
         """`engine_id`: which targeted controls are for this engine (None: untargeted only)."""
         self.limits = limits

@@ -79,8 +79,8 @@ class KafkaChannel:
 
     def send(self, message: Message) -> None:
         settings = self.settings
-        if settings.signing_key_id is not None and settings.signing_secret is not None:
-            message = message.signed(settings.signing_key_id, settings.signing_secret)
+        if settings.signing_key_id is not None and settings.signing_key is not None:
+            message = message.signed(settings.signing_key_id, settings.signing_key)
         self._unsent.append(message)
         if len(self._unsent) > MAX_UNSENT:
             self._unsent.pop(0)

@@ -24,7 +24,8 @@ def register(commands: Any) -> None:
                                            required=True)
     pub = table_commands.add_parser(
         "publish", help="publish a TableEnvelope JSON file to the tables topic",
-        description="Signs it with TABLETUNE_SIGNING_KEY_ID/SECRET when they are set.")
+        description="Signs it (Ed25519) with TABLETUNE_SIGNING_KEY_ID and "
+        "TABLETUNE_SIGNING_KEY when they are set.")
     pub.add_argument("file")
     _bootstrap(pub)
     pub.set_defaults(handler=run_publish)

@@ -10,7 +10,7 @@ twin's virtual time in the twin).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import datetime
 
 from controller.agent import TableAgent
@@ -26,6 +26,7 @@ from schemas import (
     TableError,
     parse_table_message,
 )
+from schemas.signing import Keyring
 
 Clock = Callable[[], datetime]
 """Now, as an aware datetime: what a force's `expires_at` is compared with."""
@@ -33,7 +34,7 @@ Clock = Callable[[], datetime]
 
 class EngineFeed:
     def __init__(self, switch: TableSwitch, limits: EngineLimits, status: StatusPublisher,
-                 clock: Clock, *, keyring: Mapping[str, bytes] | None = None,
+                 clock: Clock, *, keyring: Keyring | None = None,
                  exploration: ExplorationConfig | None = None,
                  engine_id: str | None = None) -> None:
         self.switch = switch

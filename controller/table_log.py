@@ -55,8 +55,8 @@ class LogEntry:
 
 def publish(settings: Settings, message: TableEnvelope | TableControl) -> int:
     """Sign (when a signing key is configured) and publish; returns the offset."""
-    if settings.signing_key_id is not None and settings.signing_secret is not None:
-        message = message.signed(settings.signing_key_id, settings.signing_secret)
+    if settings.signing_key_id is not None and settings.signing_key is not None:
+        message = message.signed(settings.signing_key_id, settings.signing_key)
     producer = KafkaProducer(**settings.client_kwargs(), max_block_ms=10_000)
     try:
         future = producer.send(settings.topics.tables, key=str(message.key).encode(),

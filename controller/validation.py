@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controller.vllm_compat import check_with_vllm
 from schemas import DraftTable, SignatureError, TableEnvelope, TableError, TableKey
+from schemas.signing import Keyring
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class Rejection(ValueError):
 
 
 def check_envelope(envelope: TableEnvelope, limits: EngineLimits,
-                   keyring: Mapping[str, bytes]) -> None:
+                   keyring: Keyring) -> None:
     """Raise `Rejection` unless the envelope is for this engine and safe to apply."""
     if envelope.key != limits.key:
         raise Rejection("wrong_key", f"table is for {envelope.key}, engine is {limits.key}")

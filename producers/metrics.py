@@ -3,6 +3,10 @@
 Nothing is updated on the engine's hot path: a custom collector reads the recorder's,
 switch's and feed's own counters when Prometheus scrapes (prometheus_client's collector
 pattern), so metrics cost the engine nothing between scrapes.
+
+The endpoint has no authentication, so it listens on loopback unless
+TABLETUNE_METRICS_ADDR says otherwise: a Prometheus that scrapes the pod IP (k8s) needs
+TABLETUNE_METRICS_ADDR=0.0.0.0, set in the manifest that scrapes it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -19,6 +24,9 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 Source = Callable[[], dict[str, float]]
+
+DEFAULT_ADDR = "127.0.0.1"
+"""Where metrics listen unless TABLETUNE_METRICS_ADDR widens it (no authentication)."""
 
 
 class CountersCollector(Collector):
@@ -48,20 +56,36 @@ class CountersCollector(Collector):
             yield family
 
 
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    registry: CollectorRegistry
+    host: str
+    """The address it listens on (DEFAULT_ADDR unless configured)."""
+    port: int
+    server: Any
+    """prometheus_client's HTTP server."""
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def serve_metrics(prefix: str, source: Source, labels: dict[str, str],
-                  port: int | None = None) -> CollectorRegistry | None:
-    """Start an HTTP endpoint on `port` (or TABLETUNE_METRICS_PORT); None when neither."""
+                  port: int | None = None, addr: str | None = None) -> MetricsEndpoint | None:
+    """Start an HTTP endpoint on `port` (or TABLETUNE_METRICS_PORT; None when neither) at
+    `addr` (or TABLETUNE_METRICS_ADDR, or loopback)."""
     if port is None:
         text = os.environ.get("TABLETUNE_METRICS_PORT")
         if not text:
             return None
         port = int(text)
+    host = addr or os.environ.get("TABLETUNE_METRICS_ADDR") or DEFAULT_ADDR
     registry = CollectorRegistry()
     registry.register(CountersCollector(prefix, source, labels))
-    start_http_server(port, addr=os.environ.get("TABLETUNE_METRICS_ADDR", "0.0.0.0"),  # noqa: S104
-                      registry=registry)
-    log.info("TableTune %s metrics on port %d", prefix, port)
-    return registry
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    log.info("TableTune %s metrics on %s:%d%s", prefix, host, port,
+             "" if host == DEFAULT_ADDR else " (no authentication: keep it off public networks)")
+    return MetricsEndpoint(registry, host, port, server)
 
 
 def engine_counters(recorder: Any, switch: Any, feed: Any) -> dict[str, float]:

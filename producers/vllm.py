@@ -29,7 +29,7 @@ from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
 from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
 from schemas import DraftTable, TableError, TableKey
-from schemas.settings import Settings
+from schemas.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ class TableTuneHook:
         """build_step_fields bound to this engine's request ledger (made on first use)."""
         try:
             self._tt_setup()
+        except SettingsError as exc:  # names the variable: one line, no traceback
+            log.error("TableTune refused to start, the engine runs without it: %s", exc)
+            self._tt_recorder = None
         except Exception:
             log.exception("TableTune could not start; the engine runs without it")
             self._tt_recorder = None

@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from schemas.draft_table import DraftTable
 from schemas.envelope import (
     MAX_VERSION,
@@ -30,14 +32,14 @@ from schemas.envelope import (
     TableEnvelope,
     TableKey,
     canonical_json,
-    hmac_hex,
     integer,
     load_json_object,
     sequence,
     text,
     timestamp,
-    verify_mac,
+    verify_signature,
 )
+from schemas.signing import Keyring
 
 ACTIONS = ("pin", "unpin", "rollback", "force", "release")
 MAX_TARGETS = 4096
@@ -125,9 +127,7 @@ class TableControl:
         if self.targets:
             out["targets"] = list(self.targets)
         if self.signature is not None:
-            out["signature"] = {"key_id": self.signature.key_id,
-                                "algorithm": self.signature.algorithm,
-                                "mac": self.signature.mac_hex}
+            out["signature"] = self.signature.to_dict()
         return out
 
     def to_json(self) -> bytes:
@@ -162,12 +162,13 @@ class TableControl:
         payload.pop("signature", None)
         return payload
 
-    def signed(self, key_id: str, secret: bytes) -> TableControl:
-        mac = hmac_hex(secret, canonical_json(self.unsigned_payload()))
-        return replace(self, signature=Signature(key_id=key_id, mac_hex=mac))
+    def signed(self, key_id: str, key: Ed25519PrivateKey) -> TableControl:
+        """This control signed by private `key`, named `key_id`."""
+        return replace(self, signature=Signature.of(self.unsigned_payload(), key_id, key))
 
-    def verify(self, keyring: Mapping[str, bytes]) -> None:
-        verify_mac(self.signature, canonical_json(self.unsigned_payload()), keyring)
+    def verify(self, keyring: Keyring) -> None:
+        """Raise `SignatureError` unless signed by a key in `keyring` (key id -> public key)."""
+        verify_signature(self.signature, canonical_json(self.unsigned_payload()), keyring)
 
 
 def parse_table_message(raw: bytes | str) -> TableEnvelope | TableControl:

@@ -2,13 +2,12 @@
 
 Envelopes travel on the tables topic as canonical JSON, keyed by `model|drafter|hardware`.
 Canonical JSON (sorted keys, no whitespace, no NaN) makes the bytes a pure function of the
-content, so an HMAC over them verifies on any machine and in any language.
+content, so an Ed25519 signature over them (`schemas.signing`) verifies on any machine and
+in any language.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -16,10 +15,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from schemas.draft_table import DraftTable, TableError
+from schemas.signing import ALGORITHM, REFUSED_ALGORITHMS, Keyring, sign_hex, signature_matches
 
 ENVELOPE_FORMAT = 1
-SIGNATURE_ALGORITHM = "HMAC-SHA256"
+SIGNATURE_ALGORITHM = ALGORITHM
 KEY_SEPARATOR = "|"
 MAX_ENVELOPE_BYTES = 1 << 20
 """Kafka's default message limit (max.message.bytes, 1 MiB): a broker on defaults takes no
@@ -35,7 +37,7 @@ MAX_NAME_CHARS = 256
 """Key fields, key ids, issuers, engine and control ids: HF model ids and GPU names are
 under 100 characters."""
 MAX_SIGNATURE_CHARS = 512
-"""An HMAC-SHA256 is 64 hex digits, an Ed25519 signature 128: room for either."""
+"""An Ed25519 signature is 128 hex digits (an HMAC-SHA256 of earlier releases 64)."""
 MAX_TIME_CHARS = 64
 """An ISO-8601 time with microseconds and a zone is 32 characters."""
 SURFACE_GRIDS = ("goodput_tok_s", "goodput_stderr_tok_s", "latency_s", "latency_stderr_s")
@@ -97,19 +99,32 @@ class TableKey:
 @dataclass(frozen=True, slots=True)
 class Signature:
     key_id: str
-    mac_hex: str
+    signature_hex: str
+    """On the wire as `sig` (an HMAC of earlier releases was `mac`: parsed, then refused)."""
     algorithm: str = SIGNATURE_ALGORITHM
 
     def __post_init__(self) -> None:
         text(self.key_id, "signature.key_id")
-        text(self.mac_hex, "signature.mac", MAX_SIGNATURE_CHARS)
+        text(self.signature_hex, "signature.sig", MAX_SIGNATURE_CHARS)
         text(self.algorithm, "signature.algorithm")
 
     @classmethod
     def from_dict(cls, data: Any) -> Signature:
         data = mapping(data, "signature")
-        return cls(key_id=data["key_id"], mac_hex=data["mac"],
+        if "sig" not in data and "mac" in data:  # an HMAC of an earlier release
+            return cls(key_id=data["key_id"], signature_hex=data["mac"],
+                       algorithm=data.get("algorithm", "HMAC-SHA256"))
+        return cls(key_id=data["key_id"], signature_hex=data["sig"],
                    algorithm=data.get("algorithm", SIGNATURE_ALGORITHM))
+
+    def to_dict(self) -> dict[str, str]:
+        return {"key_id": self.key_id, "algorithm": self.algorithm, "sig": self.signature_hex}
+
+    @classmethod
+    def of(cls, payload: Mapping[str, Any], key_id: str,
+           key: Ed25519PrivateKey) -> Signature:
+        """`key`'s signature of `payload`'s canonical JSON."""
+        return cls(key_id=key_id, signature_hex=sign_hex(key, canonical_json(payload)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,11 +205,7 @@ class TableEnvelope:
             "exploration": dict(self.exploration),
         }
         if self.signature is not None:
-            out["signature"] = {
-                "key_id": self.signature.key_id,
-                "algorithm": self.signature.algorithm,
-                "mac": self.signature.mac_hex,
-            }
+            out["signature"] = self.signature.to_dict()
         return out
 
     def to_json(self) -> bytes:
@@ -230,31 +241,31 @@ class TableEnvelope:
     def from_json(cls, raw: bytes | str) -> TableEnvelope:
         return cls.from_dict(load_json_object(raw, "envelope"))
 
-    def signed(self, key_id: str, secret: bytes) -> TableEnvelope:
-        mac = hmac_hex(secret, canonical_json(self.unsigned_payload()))
-        return replace(self, signature=Signature(key_id=key_id, mac_hex=mac))
+    def signed(self, key_id: str, key: Ed25519PrivateKey) -> TableEnvelope:
+        """This envelope signed by private `key`, named `key_id`."""
+        return replace(self, signature=Signature.of(self.unsigned_payload(), key_id, key))
 
-    def verify(self, keyring: Mapping[str, bytes]) -> None:
-        """Raise `SignatureError` unless signed by a key in `keyring` (key id -> secret)."""
-        verify_mac(self.signature, canonical_json(self.unsigned_payload()), keyring)
-
-
-def hmac_hex(secret: bytes, payload: bytes) -> str:
-    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+    def verify(self, keyring: Keyring) -> None:
+        """Raise `SignatureError` unless signed by a key in `keyring` (key id -> public key)."""
+        verify_signature(self.signature, canonical_json(self.unsigned_payload()), keyring)
 
 
-def verify_mac(signature: Signature | None, payload: bytes,
-               keyring: Mapping[str, bytes]) -> None:
-    """Raise `SignatureError` unless `signature` is a valid HMAC of payload by a known key."""
+def verify_signature(signature: Signature | None, payload: bytes, keyring: Keyring) -> None:
+    """Raise `SignatureError` unless `signature` is a valid Ed25519 signature of `payload`
+    by a key of `keyring`; the reason says which of unsigned, bad_algorithm (an HMAC of an
+    earlier release among them), unknown_key, bad_signature."""
     if signature is None:
         raise SignatureError("unsigned", "the message carries no signature")
     if signature.algorithm != SIGNATURE_ALGORITHM:
-        raise SignatureError("bad_algorithm", f"algorithm {signature.algorithm!r}")
-    secret = keyring.get(signature.key_id)
-    if secret is None:
+        why = REFUSED_ALGORITHMS.get(signature.algorithm,
+                                     f"only {SIGNATURE_ALGORITHM} signatures are accepted")
+        raise SignatureError("bad_algorithm", f"algorithm {signature.algorithm!r}: {why}")
+    public = keyring.get(signature.key_id)
+    if public is None:
         raise SignatureError("unknown_key", f"key id {signature.key_id!r} is not known")
-    if not hmac.compare_digest(hmac_hex(secret, payload), signature.mac_hex):
-        raise SignatureError("bad_signature", "the MAC does not match the content")
+    if not signature_matches(public, payload, signature.signature_hex):
+        raise SignatureError("bad_signature", f"the signature is not key {signature.key_id!r}'s "
+                             "signature of this content")
 
 
 def canonical_json(value: Any) -> bytes:

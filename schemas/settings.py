@@ -14,6 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from schemas.signing import KeyFormatError, is_placeholder, load_private_key, load_public_key
+
 log = logging.getLogger(__name__)
 
 ENV_VARS: dict[str, str] = {
@@ -30,16 +37,19 @@ ENV_VARS: dict[str, str] = {
     "TABLETUNE_SSL_CERTFILE": "client certificate (mutual TLS)",
     "TABLETUNE_SSL_KEYFILE": "client private key (mutual TLS)",
     "TABLETUNE_SSL_PASSWORD": "password of the client private key",
-    "TABLETUNE_SIGNING_KEY_ID": "key id that signs published tables",
-    "TABLETUNE_SIGNING_SECRET": "HMAC secret of TABLETUNE_SIGNING_KEY_ID",
-    "TABLETUNE_VERIFY_KEYS": "keys accepted on tables, id:secret[,id:secret] (rotation)",
+    "TABLETUNE_SIGNING_KEY_ID": "key id of TABLETUNE_SIGNING_KEY (control service, operators)",
+    "TABLETUNE_SIGNING_KEY": "Ed25519 private key that signs tables and controls, base64 "
+                             "(control service and operators only; `tabletune keygen`)",
+    "TABLETUNE_VERIFY_KEYS": "Ed25519 public keys engines accept, id:base64[,id:base64] "
+                             "(rotation: old and new)",
     "TABLETUNE_SINK": "engine telemetry sink: kafka://host:port[,host:port] or file:///dir",
     "TABLETUNE_ENGINE_ID": "engine identity in telemetry (default hostname-pid)",
     "TABLETUNE_HARDWARE": "hardware name in the table key (default: the device name)",
     "TABLETUNE_TABLE_KEY": "table key an engine follows (default model|drafter|hardware)",
     "TABLETUNE_EXPLORE_SHARE": "share of engine steps run at another K to learn (default 0.02)",
     "TABLETUNE_METRICS_PORT": "serve Prometheus metrics on this port (engine and jobs)",
-    "TABLETUNE_METRICS_ADDR": "address for the metrics endpoint (default 0.0.0.0)",
+    "TABLETUNE_METRICS_ADDR": "address of the metrics endpoint, which has no authentication "
+                              "(default 127.0.0.1; 0.0.0.0 where Prometheus scrapes the pod)",
 }
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -50,6 +60,16 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "session_timeout_ms": 6000,
     "heartbeat_interval_ms": 1000,
 }
+
+
+RETIRED_VARS = {
+    "TABLETUNE_SIGNING_SECRET": "an HMAC secret, no longer read: tables and controls are "
+                                "signed with Ed25519; set TABLETUNE_SIGNING_KEY (a private key "
+                                "from `tabletune keygen`) where tables are signed, and its "
+                                "public key in the engines' TABLETUNE_VERIFY_KEYS",
+}
+"""Variables of earlier releases that would now be ignored: refused, saying what replaces
+them, so that an upgrade cannot silently turn signing off."""
 
 
 class SettingsError(ValueError):
@@ -106,14 +126,15 @@ class Settings:
     topics: TopicNames = TopicNames()
     security: KafkaSecurity = KafkaSecurity()
     signing_key_id: str | None = None
-    signing_secret: bytes | None = field(default=None, repr=False)
-    verify_keys: Mapping[str, bytes] = field(default_factory=dict, repr=False)
-    """Keys accepted on incoming tables; the signing key is always among them."""
+    signing_key: Ed25519PrivateKey | None = field(default=None, repr=False)
+    """Signs what this process publishes: the control service's and operators' only."""
+    verify_keys: Mapping[str, Ed25519PublicKey] = field(default_factory=dict, repr=False)
+    """Public keys accepted on incoming tables; the signing key's is always among them."""
 
     def __post_init__(self) -> None:
-        if (self.signing_key_id is None) != (self.signing_secret is None):
+        if (self.signing_key_id is None) != (self.signing_key is None):
             raise SettingsError(
-                "TABLETUNE_SIGNING_KEY_ID and TABLETUNE_SIGNING_SECRET must be set together"
+                "TABLETUNE_SIGNING_KEY_ID and TABLETUNE_SIGNING_KEY must be set together"
             )
         for server in self.bootstrap_servers:
             host, _, port = server.rpartition(":")
@@ -123,6 +144,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
+        refuse_unusable(env)
         unknown = sorted(k for k in env if k.startswith("TABLETUNE_") and k not in ENV_VARS)
         if unknown:
             log.warning("ignoring unknown settings %s (known: see schemas.settings.ENV_VARS)",
@@ -144,13 +166,13 @@ class Settings:
             ssl_keyfile=env.get("TABLETUNE_SSL_KEYFILE"),
             ssl_password=env.get("TABLETUNE_SSL_PASSWORD"),
         )
-        secret = env.get("TABLETUNE_SIGNING_SECRET")
+        signing_key = env.get("TABLETUNE_SIGNING_KEY")
         return cls(
             bootstrap_servers=parse_bootstrap(env.get("TABLETUNE_BOOTSTRAP", "")),
             topics=topics,
             security=security,
             signing_key_id=env.get("TABLETUNE_SIGNING_KEY_ID"),
-            signing_secret=None if secret is None else secret.encode(),
+            signing_key=None if signing_key is None else _private_key(signing_key),
             verify_keys=parse_keyring(env.get("TABLETUNE_VERIFY_KEYS", "")),
         )
 
@@ -160,10 +182,11 @@ class Settings:
             return self
         return replace(self, bootstrap_servers=parse_bootstrap(bootstrap))
 
-    def keyring(self) -> dict[str, bytes]:
+    def keyring(self) -> dict[str, Ed25519PublicKey]:
+        """The public keys this process verifies with (its own signing key's included)."""
         ring = dict(self.verify_keys)
-        if self.signing_key_id is not None and self.signing_secret is not None:
-            ring[self.signing_key_id] = self.signing_secret
+        if self.signing_key_id is not None and self.signing_key is not None:
+            ring[self.signing_key_id] = self.signing_key.public_key()
         return ring
 
     def require_bootstrap(self) -> list[str]:
@@ -183,11 +206,33 @@ def parse_bootstrap(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def parse_keyring(text: str) -> dict[str, bytes]:
-    ring: dict[str, bytes] = {}
+def parse_keyring(text: str) -> dict[str, Ed25519PublicKey]:
+    """TABLETUNE_VERIFY_KEYS: `id:public key[,id:public key]`, keys in base64 or hex."""
+    ring: dict[str, Ed25519PublicKey] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key_id, sep, secret = item.partition(":")
-        if not sep or not key_id or not secret:
-            raise SettingsError(f"TABLETUNE_VERIFY_KEYS entry {key_id!r} is not id:secret")
-        ring[key_id] = secret.encode()
+        key_id, sep, public = item.partition(":")
+        if not sep or not key_id or not public:
+            raise SettingsError(f"TABLETUNE_VERIFY_KEYS entry {key_id!r} is not id:public-key")
+        try:
+            ring[key_id] = load_public_key(public)
+        except KeyFormatError as exc:
+            raise SettingsError(f"TABLETUNE_VERIFY_KEYS entry {key_id!r}: {exc}") from None
     return ring
+
+
+def refuse_unusable(env: Mapping[str, str]) -> None:
+    """Raise SettingsError, naming the variable, for a retired one (RETIRED_VARS) or one that
+    still holds an example manifest's `change-me...` placeholder (a password, a key)."""
+    for name in sorted(env):
+        if name in RETIRED_VARS:
+            raise SettingsError(f"{name} is {RETIRED_VARS[name]}")
+        if name.startswith("TABLETUNE_") and is_placeholder(env[name]):
+            raise SettingsError(f"{name} holds a placeholder ('change-me...') from an example "
+                                "manifest: set the real value")
+
+
+def _private_key(text: str) -> Ed25519PrivateKey:
+    try:
+        return load_private_key(text)
+    except KeyFormatError as exc:
+        raise SettingsError(f"TABLETUNE_SIGNING_KEY: {exc}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from fitter.kafka_clients import check_reachable
 from schemas import TableError
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
 from schemas.settings import ENV_VARS, Settings
+from schemas.signing import generate_private_key, private_key_text, public_key_text
 from schemas.table_files import load_table_file
 from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
 
@@ -212,7 +214,35 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-batch", type=integer(1), default=None,
                          help="for dense: last batch size (default: the table's last end)")
     convert.set_defaults(handler=run_table_convert)
+
+    keygen = commands.add_parser(
+        "keygen", help="make an Ed25519 signing key pair for tables and controls",
+        description="Prints a new private key and its public key as environment lines. "
+        "TABLETUNE_SIGNING_KEY_ID and TABLETUNE_SIGNING_KEY go only where tables are signed "
+        "(the control service, operators: a secret); the TABLETUNE_VERIFY_KEYS entry, a "
+        "public key, goes to every engine, beside the entries of keys still in use.")
+    keygen.add_argument("--key-id", type=_key_id, default=None,
+                        help="the key's id (default: this month, YYYY-MM)")
+    keygen.set_defaults(handler=run_keygen)
     return parser
+
+
+def _key_id(text: str) -> str:
+    if not text or len(text) > 64 or any(c in text for c in ":,= \t"):
+        raise argparse.ArgumentTypeError(f"a key id is 1-64 characters without ':', ',', '=' "
+                                         f"or spaces, got {text!r}")
+    return text
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    key_id = args.key_id or dt.datetime.now(dt.UTC).strftime("%Y-%m")
+    key = generate_private_key()
+    print("# secret: the control service and operators only")
+    print(f"TABLETUNE_SIGNING_KEY_ID={key_id}")
+    print(f"TABLETUNE_SIGNING_KEY={private_key_text(key)}")
+    print("# public: every engine (comma-separated with the keys still in use)")
+    print(f"TABLETUNE_VERIFY_KEYS={key_id}:{public_key_text(key)}")
+    return 0
 
 
 def run_twin_fleet(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ from controller.table_log import read_log
 from fitter.ingest import IngestConfig, Ingestor
 from schemas import TableEnvelope, TableKey
 from schemas.settings import Settings
+from schemas.signing import generate_private_key, private_key_text, public_key_text
 from tabletune.broker import EmbeddedBroker
 from tabletune.control_process import ControlProcess
 from tabletune.demo_scenarios import GROUPS, Group
@@ -52,8 +53,14 @@ with telemetry arriving this many times faster than a real fleet's, beside the b
 ingest and two fleets on a 2-core machine; at 10x on a busy one its cold profile ended
 80 s of virtual time late and its re-profile ran past the phase. The fleet's two 300 s
 phases take two minutes."""
-SIGNING = {"TABLETUNE_SIGNING_KEY_ID": "demo", "TABLETUNE_SIGNING_SECRET": "demo-secret"}
-"""Tables are signed and verified as in production; a demo secret, for a demo broker."""
+
+
+def demo_keys() -> tuple[dict[str, str], dict[str, str]]:
+    """Tables are signed and verified as in production, with a key pair made for the run:
+    (the control service's signing key, the engines' public key)."""
+    key = generate_private_key()
+    return ({"TABLETUNE_SIGNING_KEY_ID": "demo", "TABLETUNE_SIGNING_KEY": private_key_text(key)},
+            {"TABLETUNE_VERIFY_KEYS": f"demo:{public_key_text(key)}"})
 
 
 @dataclass
@@ -85,7 +92,8 @@ def run_demo(out_dir: Path, *, phase_s: float = 300.0, engines_per_group: int = 
     started = time.monotonic()
     results = {g.name: GroupResult(g) for g in GROUPS}
     with EmbeddedBroker() as broker, _progress(console) as progress:
-        env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap, **SIGNING}
+        signing, verifying = demo_keys()
+        env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap, **verifying}
         settings = Settings.from_env(env)
         console.print(f"[bold]embedded broker[/] on {broker.bootstrap}")
         ingestor = Ingestor(settings, IngestConfig(out_dir=out_dir / "parquet",
@@ -94,7 +102,7 @@ def run_demo(out_dir: Path, *, phase_s: float = 300.0, engines_per_group: int = 
         ingest_thread.start()
 
         fleet_task = progress.add_task("fleet ← tables topic ← tabletune control", total=None)
-        with ControlProcess(env, out_dir / "control") as control:
+        with ControlProcess({**env, **signing}, out_dir / "control") as control:
             fleets = {name: _start_fleet(result.group, phase_s, engines_per_group, env,
                                          out_dir) for name, result in results.items()}
             while any(fleet.poll() is None for fleet in fleets.values()):

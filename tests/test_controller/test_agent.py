@@ -9,9 +9,12 @@ from controller.agent import Mode, TableAgent
 from controller.validation import EngineLimits
 from schemas import DraftTable, SignatureError, TableControl, TableEnvelope, TableKey
 from schemas.control import new_control_id
+from schemas.signing import generate_private_key
 
 KEY = TableKey("llama", "eagle", "h100")
-KEYRING = {"k1": b"secret"}
+SIGNING = {"k1": generate_private_key()}
+"""The control service's private keys; engines (the agents) hold only KEYRING."""
+KEYRING = {key_id: key.public_key() for key_id, key in SIGNING.items()}
 ISSUED = "2026-11-29T11:30:00+00:00"
 
 
@@ -20,13 +23,13 @@ def envelope(version: int, triples, key: TableKey = KEY, sign: str | None = "k1"
     env = TableEnvelope(key=key, version=version, table=DraftTable.from_vllm(triples),
                         startup_k_values=(0, 1, 3, 5), max_batch=64,
                         created_at="2026-11-29T00:00:00Z")
-    return env.signed(sign, KEYRING.get(sign, b"other")) if sign else env
+    return env.signed(sign, SIGNING.get(sign) or generate_private_key()) if sign else env
 
 
 def control(action: str, version: int | None = None, sign: bool = True) -> TableControl:
     ctl = TableControl(key=KEY, action=action, version=version, issued_at=ISSUED,
                        control_id=new_control_id())
-    return ctl.signed("k1", b"secret") if sign else ctl
+    return ctl.signed("k1", SIGNING["k1"]) if sign else ctl
 
 
 @pytest.fixture
@@ -112,7 +115,7 @@ def _force(triples, expires_at: str = "2026-11-29T12:00:00+00:00", sign: bool = 
     ctl = TableControl(key=KEY, action="force", version=None, issued_at=ISSUED,
                        control_id=new_control_id(), table=DraftTable.from_vllm(triples),
                        expires_at=expires_at)
-    return ctl.signed("k1", b"secret") if sign else ctl
+    return ctl.signed("k1", SIGNING["k1"]) if sign else ctl
 
 
 def test_force_holds_over_the_followed_version_until_release_or_expiry(agent_and_events):
@@ -151,7 +154,7 @@ def test_force_messages_need_a_table_and_a_zoned_expiry():
     assert parse_table_message(sent.to_json()) == sent
     sent.verify(KEYRING)  # the table and expiry are under the signature
     tampered = TableControl.from_dict({**sent.to_dict(), "table": [[1, 64, 5]]})
-    with pytest.raises(Exception, match="MAC"):
+    with pytest.raises(SignatureError, match="^bad_signature"):
         tampered.verify(KEYRING)
 
 
@@ -160,10 +163,10 @@ def test_a_targeted_force_holds_only_the_engines_it_names():
     force = TableControl(key=KEY, action="force", version=None,
                          issued_at="2098-12-31T23:30:00+00:00", control_id=new_control_id(),
                          table=forced, expires_at="2099-01-01T00:00:00+00:00",
-                         targets=("canary-1",)).signed("k1", b"secret")
+                         targets=("canary-1",)).signed("k1", SIGNING["k1"])
     release = TableControl(key=KEY, action="release", version=None, issued_at=ISSUED,
                            control_id=new_control_id(),
-                           targets=("canary-1",)).signed("k1", b"secret")
+                           targets=("canary-1",)).signed("k1", SIGNING["k1"])
     agents = {engine: TableAgent(EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64), KEYRING,
                                  lambda event, **fields: None, engine_id=engine)
               for engine in ("canary-1", "other-2")}
@@ -178,8 +181,8 @@ def test_a_targeted_force_holds_only_the_engines_it_names():
 
 def test_targets_travel_in_the_signed_payload():
     force = TableControl(key=KEY, action="release", version=None, issued_at=ISSUED,
-                         control_id=new_control_id(), targets=("a",)).signed("k1", b"secret")
+                         control_id=new_control_id(), targets=("a",)).signed("k1", SIGNING["k1"])
     retargeted = TableControl.from_dict({**json.loads(force.to_json()),
                                          "targets": ["b"]})
-    with pytest.raises(SignatureError, match="MAC does not match"):
+    with pytest.raises(SignatureError, match="^bad_signature"):
         retargeted.verify(KEYRING)

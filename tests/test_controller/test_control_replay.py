@@ -24,11 +24,13 @@ from producers.metrics import engine_counters
 from schemas import DraftTable, EnvelopeError, TableControl, TableEnvelope, TableKey
 from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings
+from schemas.signing import generate_private_key
 from tests.kafka_helpers import wait_until
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
-SECRET = b"replay-test-secret"
-KEYRING = {"k1": SECRET}
+SECRET = generate_private_key()
+"""The control service's private key; engines hold KEYRING, its public key only."""
+KEYRING = {"k1": SECRET.public_key()}
 LIMITS = EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64)
 STARTUP = DraftTable.from_vllm([[1, 64, 1]])
 
@@ -164,7 +166,7 @@ def test_a_replayed_rollback_on_the_broker_is_refused_live_and_after_a_restart(
         topic_settings: Settings) -> None:
     """Through the broker: the operator's signed rollback (as `tabletune controller
     rollback` publishes it), then its exact bytes sent twice more by another producer."""
-    settings = dataclasses.replace(topic_settings, signing_key_id="k1", signing_secret=SECRET,
+    settings = dataclasses.replace(topic_settings, signing_key_id="k1", signing_key=SECRET,
                                    verify_keys=KEYRING)
     for version, k in ((1, 5), (2, 3), (3, 0)):
         publish(settings, envelope(version, k))

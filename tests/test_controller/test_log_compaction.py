@@ -30,11 +30,12 @@ from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings, SettingsError
+from schemas.signing import generate_private_key
 from tabletune.broker import TopicLayout
 
 KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
-SECRET = b"compaction-test-secret"
-KEYRING = {"k1": SECRET}
+SECRET = generate_private_key()
+KEYRING = {"k1": SECRET.public_key()}
 LIMITS = EngineLimits(KEY, frozenset({0, 1, 3, 5}), 64)
 STARTUP = DraftTable.from_vllm([[1, 64, 1]])
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

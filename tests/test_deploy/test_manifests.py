@@ -91,3 +91,74 @@ def test_vllm_servers_attach_the_hook_with_a_valid_startup_table():
             assert table.k_values == set(range(spec["num_speculative_tokens"] + 1)), path
     assert servers == 2
     import producers.vllm  # noqa: F401 - the class the manifests name is importable
+
+
+def _k8s_pods():
+    """(name, container, volumes) of every pod template in deploy/k8s."""
+    for path, document in _documents():
+        if path.parent.name != "k8s" or document.get("kind") not in ("Deployment", "Job"):
+            continue
+        spec = document["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            yield document["metadata"]["name"], document["spec"]["template"], container
+
+
+def _k8s_sources(container: dict) -> tuple[dict[str, str], set[str]]:
+    """A container's literal env, and the ConfigMaps and Secrets it takes whole."""
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    whole = {ref.get("configMapRef", ref.get("secretRef", {})).get("name")
+             for ref in container.get("envFrom", [])}
+    return env, whole
+
+
+def _k8s_data() -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d.get("stringData") or d.get("data") or {}
+            for path, d in _documents() if d.get("kind") in ("Secret", "ConfigMap")}
+
+
+def test_only_the_control_service_holds_the_signing_key():
+    """Engines verify with public keys and hold no private key (issue 31 defect 10): with
+    the key that signs, an engine pod could forge the tables every engine runs."""
+    data = _k8s_data()
+    signing = {name for name, values in data.items() if "TABLETUNE_SIGNING_KEY" in values}
+    assert signing == {"tabletune-signing-key"}
+    holders = set()
+    for name, _, container in _k8s_pods():
+        env, whole = _k8s_sources(container)
+        if "TABLETUNE_SIGNING_KEY" in env or whole & signing:
+            holders.add(name)
+        if "--scheduler-cls" in container.get("args", []):  # an engine
+            verify = [data[w]["TABLETUNE_VERIFY_KEYS"] for w in whole
+                      if "TABLETUNE_VERIFY_KEYS" in data.get(w, {})]
+            assert verify, f"{name} gets no TABLETUNE_VERIFY_KEYS"
+    assert holders == {"tabletune-control"}
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
+    with_key = {name for name, service in compose["services"].items()
+                if "TABLETUNE_SIGNING_KEY" in (service.get("environment") or {})}
+    assert with_key == {"control"}
+    assert "TABLETUNE_VERIFY_KEYS" in compose["services"]["vllm"]["environment"]
+    assert not any("TABLETUNE_SIGNING_SECRET" in p.read_text()
+                   for p in MANIFESTS + sorted(DEPLOY.rglob(".env*")))
+
+
+def test_metrics_are_widened_from_loopback_only_where_prometheus_scrapes():
+    """The endpoint has no authentication and listens on 127.0.0.1 unless told otherwise:
+    a pod or service that Prometheus scrapes sets TABLETUNE_METRICS_ADDR=0.0.0.0 itself."""
+    scraped_pods = 0
+    for name, template, container in _k8s_pods():
+        env, _ = _k8s_sources(container)
+        annotations = template.get("metadata", {}).get("annotations", {})
+        if annotations.get("prometheus.io/scrape") == "true":
+            scraped_pods += 1
+            assert env.get("TABLETUNE_METRICS_ADDR") == "0.0.0.0", name  # noqa: S104
+        else:
+            assert "TABLETUNE_METRICS_ADDR" not in env, name
+    assert scraped_pods >= 1
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
+    prometheus = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
+    for job in prometheus["scrape_configs"]:
+        for target in job["static_configs"][0]["targets"]:
+            service, port = target.split(":")
+            env = compose["services"][service].get("environment") or {}
+            if str(env.get("TABLETUNE_METRICS_PORT")) == port:
+                assert env.get("TABLETUNE_METRICS_ADDR") == "0.0.0.0", target  # noqa: S104

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from schemas import DraftTable, TableError
+from schemas.signing import generate_private_key, public_key_text
 from tabletune.broker import EmbeddedBroker, free_port
 from tests.kafka_helpers import read_telemetry
 from tests.test_producers import vllm_setup
@@ -31,6 +32,8 @@ BATCHES = [{"count": 12, "offset": 0}, {"count": 5, "offset": 100},
            {"count": 10, "offset": 400}, {"count": 10, "offset": 500}]
 REPO = Path(__file__).resolve().parents[2]
 TABLE_KEY = "tiny|ngram|test-cpu"
+CONTROL_KEY = generate_private_key()
+"""What the control service signs with; the engine holds its public key only."""
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
         "TABLETUNE_HARDWARE": "test-cpu",
         "TABLETUNE_BOOTSTRAP": f"127.0.0.1:{hook_broker.port}",
         "TABLETUNE_TABLE_KEY": TABLE_KEY,
-        "TABLETUNE_VERIFY_KEYS": "k1:engine-secret",
+        "TABLETUNE_VERIFY_KEYS": f"k1:{public_key_text(CONTROL_KEY)}",  # public only
         "TABLETUNE_EXPLORE_SHARE": "0.2",  # high, so a short test sees exploration steps
     }
     saved = {key: os.environ.get(key) for key in env}
@@ -402,7 +405,7 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     feed = scheduler.table_feed
     assert feed is not None
     settings = Settings(bootstrap_servers=(hook_broker.broker.bootstrap,),
-                        signing_key_id="k1", signing_secret=b"engine-secret")
+                        signing_key_id="k1", signing_key=CONTROL_KEY)
     good = [[1, 4, 4], [5, 16, 2]]
     publish(settings, _envelope(1, good))
     deadline = time.monotonic() + 20
@@ -417,7 +420,7 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     assert applied["seconds_to_apply"] >= 0
 
     unsigned = Settings(bootstrap_servers=settings.bootstrap_servers)
-    forged = _envelope(8, good).signed("k1", b"engine-secret")
+    forged = _envelope(8, good).signed("k1", CONTROL_KEY)
     forged = type(forged).from_dict({**forged.to_dict(), "table": [[1, 16, 4]]})
     producer = KafkaProducer(bootstrap_servers=hook_broker.broker.bootstrap)
     bad = {
@@ -427,12 +430,12 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
         5: ("wrong_key", lambda: producer.send(
             "tabletune.tables", key=TABLE_KEY.encode(),
             value=_envelope(5, good, key="other|ngram|test-cpu").signed(
-                "k1", b"engine-secret").to_json()).get(timeout=10)),
+                "k1", CONTROL_KEY).to_json()).get(timeout=10)),
         1: ("stale_version", lambda: publish(settings, _envelope(1, [[1, 16, 1]]))),
         6: ("unsigned", lambda: publish(unsigned, _envelope(6, good))),
         7: ("unknown_key", lambda: publish(
             Settings(bootstrap_servers=settings.bootstrap_servers, signing_key_id="k9",
-                     signing_secret=b"x"), _envelope(7, good))),
+                     signing_key=generate_private_key()), _envelope(7, good))),
         8: ("bad_signature", lambda: producer.send(
             "tabletune.tables", key=TABLE_KEY.encode(), value=forged.to_json()
         ).get(timeout=10)),
@@ -476,7 +479,7 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     llm, scheduler = engine
     feed, switch, recorder = scheduler.table_feed, scheduler.table_switch, scheduler.telemetry
     settings = Settings(bootstrap_servers=(hook_broker.broker.bootstrap,),
-                        signing_key_id="k1", signing_secret=b"engine-secret")
+                        signing_key_id="k1", signing_key=CONTROL_KEY)
     key = TableKey.parse(TABLE_KEY)
     following = switch.version
     # Refused: K outside the startup set; ignored: a force that has already expired.

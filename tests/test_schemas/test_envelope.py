@@ -15,7 +15,11 @@ from schemas import (
     TableKey,
     canonical_json,
 )
+from schemas.signing import generate_private_key
 from tests.test_schemas.strategies import draft_tables
+
+KEY_1 = generate_private_key()
+OTHER = generate_private_key()
 
 
 def make_envelope(table: DraftTable, version: int = 3) -> TableEnvelope:
@@ -46,26 +50,58 @@ def test_json_round_trip_is_canonical(table, version):
 
 def test_signature_verifies_and_detects_tampering():
     envelope = make_envelope(DraftTable.from_vllm([[1, 8, 5], [9, 64, 2]]))
-    signed = envelope.signed("k1", b"secret-1")
-    TableEnvelope.from_json(signed.to_json()).verify({"k1": b"secret-1"})
+    signed = envelope.signed("k1", KEY_1)
+    engine_keys = {"k1": KEY_1.public_key()}  # an engine holds the public key only
+    TableEnvelope.from_json(signed.to_json()).verify(engine_keys)
+    assert json.loads(signed.to_json())["signature"]["algorithm"] == "Ed25519"
+    assert len(json.loads(signed.to_json())["signature"]["sig"]) == 128
 
     with pytest.raises(SignatureError, match="^unsigned"):
-        envelope.verify({"k1": b"secret-1"})
+        envelope.verify(engine_keys)
     with pytest.raises(SignatureError, match="^unknown_key: key id 'k1'"):
-        signed.verify({"k2": b"secret-1"})
+        signed.verify({"k2": KEY_1.public_key()})
+    with pytest.raises(SignatureError, match="^bad_signature: the signature is not key 'k1'"):
+        signed.verify({"k1": OTHER.public_key()})  # signed by another key
     with pytest.raises(SignatureError, match="^bad_signature"):
-        signed.verify({"k1": b"another secret"})
+        envelope.signed("k1", OTHER).verify(engine_keys)
     data = json.loads(signed.to_json())
     data["table"][0][2] = 7
     with pytest.raises(SignatureError, match="^bad_signature"):
-        TableEnvelope.from_dict(data).verify({"k1": b"secret-1"})
+        TableEnvelope.from_dict(data).verify(engine_keys)
+    data = json.loads(signed.to_json())
+    data["signature"]["sig"] = "zz" * 64
+    with pytest.raises(SignatureError, match="^bad_signature"):
+        TableEnvelope.from_dict(data).verify(engine_keys)
+
+
+def test_an_hmac_signed_envelope_is_refused_naming_the_algorithm():
+    """What an earlier release published: parsed, then refused with the reason, whatever
+    key it names."""
+    import hashlib
+    import hmac
+
+    envelope = make_envelope(DraftTable.from_vllm([[1, 64, 3]]))
+    mac = hmac.new(b"the shared secret", canonical_json(envelope.unsigned_payload()),
+                   hashlib.sha256).hexdigest()
+    legacy = {**envelope.to_dict(),
+              "signature": {"key_id": "k1", "algorithm": "HMAC-SHA256", "mac": mac}}
+    parsed = TableEnvelope.from_json(json.dumps(legacy))
+    assert parsed.signature is not None and parsed.signature.algorithm == "HMAC-SHA256"
+    with pytest.raises(SignatureError, match="^bad_algorithm: algorithm 'HMAC-SHA256': "
+                       "HMAC-SHA256 signatures are no longer accepted") as refused:
+        parsed.verify({"k1": KEY_1.public_key()})
+    assert refused.value.reason == "bad_algorithm"
+    without_algorithm = {**legacy, "signature": {"key_id": "k1", "mac": mac}}
+    with pytest.raises(SignatureError, match="^bad_algorithm: algorithm 'HMAC-SHA256'"):
+        TableEnvelope.from_json(json.dumps(without_algorithm)).verify(
+            {"k1": KEY_1.public_key()})
 
 
 def test_signature_is_stable_across_key_order():
-    envelope = make_envelope(DraftTable.from_vllm([[1, 64, 3]])).signed("k1", b"s")
+    envelope = make_envelope(DraftTable.from_vllm([[1, 64, 3]])).signed("k1", KEY_1)
     data = json.loads(envelope.to_json())
     reordered = json.dumps(dict(reversed(list(data.items()))), indent=2)
-    TableEnvelope.from_json(reordered).verify({"k1": b"s"})
+    TableEnvelope.from_json(reordered).verify({"k1": KEY_1.public_key()})
 
 
 def test_envelope_validate_refuses_k_outside_startup_set():

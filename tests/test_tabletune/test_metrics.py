@@ -35,11 +35,34 @@ def test_engine_counters_are_exposed(tmp_path):
     recorder.close()
 
 
-def test_metrics_endpoint_serves_on_the_configured_port():
+def test_metrics_endpoint_serves_on_the_configured_port(monkeypatch):
+    monkeypatch.delenv("TABLETUNE_METRICS_ADDR", raising=False)
     port = free_port()
-    serve_metrics("ingest", lambda: {"records_total": 42, "lag_messages": 3},
-                  {"group": "g"}, port=port)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
-        text = response.read().decode()
+    endpoint = serve_metrics("ingest", lambda: {"records_total": 42, "lag_messages": 3},
+                             {"group": "g"}, port=port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
+            text = response.read().decode()
+    finally:
+        endpoint.close()
     assert 'tabletune_ingest_records_total{group="g"} 42.0' in text
     assert 'tabletune_ingest_lag_messages{group="g"} 3.0' in text
+
+
+def test_metrics_listen_on_loopback_unless_widened(monkeypatch):
+    """The endpoint has no authentication (issue 31 defect 10): 127.0.0.1 by default, any
+    wider address only when TABLETUNE_METRICS_ADDR (or `addr`) names it."""
+    monkeypatch.delenv("TABLETUNE_METRICS_ADDR", raising=False)
+    monkeypatch.setenv("TABLETUNE_METRICS_PORT", str(free_port()))
+    endpoint = serve_metrics("engine", dict, {})
+    try:
+        assert endpoint.host == "127.0.0.1"
+        assert endpoint.server.server_address[0] == "127.0.0.1"
+    finally:
+        endpoint.close()
+    monkeypatch.setenv("TABLETUNE_METRICS_ADDR", "0.0.0.0")  # noqa: S104
+    endpoint = serve_metrics("engine", dict, {}, port=free_port())
+    try:
+        assert endpoint.server.server_address[0] == "0.0.0.0"  # noqa: S104
+    finally:
+        endpoint.close()

@@ -116,7 +116,9 @@ class TabletunePolicy(Policy):
         self._planned.sort(key=lambda entry: entry[0])
 
     def start(self, engine: TwinEngine) -> None:
-        from fitter.derive import fit_table  # the fitter's heavy imports only when used
+        # the fitter's heavy imports only when used
+        from fitter.derive import fit_table
+        from fitter.engine_consensus import with_screening
 
         scenario = engine.scenario
         limits = scenario.engine
@@ -139,7 +141,9 @@ class TabletunePolicy(Policy):
                                StatusPublisher(None, limits.engine_id, str(key), history=4096),
                                clock, exploration=self.config.exploration)
         channel = self.channel = InMemoryChannel([self.feed])
-        self.service = ControlService(fit_table, lambda _key: channel, config=self.config,
+        # the fit `tabletune control` runs: screened rows, then the fleet's consensus
+        self.service = ControlService(with_screening(fit_table), lambda _key: channel,
+                                      config=self.config,
                                       tick_s=self.tick_s)
         self.service.engine_started(key, engine_limits, engine.switch.startup_table)
         self._next_tick_s = engine.clock_s + self.tick_s

@@ -32,6 +32,8 @@ from schemas import (
     DraftTable,
     EnvelopeError,
     FrameError,
+    SignatureError,
+    TableControl,
     TableEnvelope,
     TableError,
     TableKey,
@@ -171,10 +173,18 @@ class ControlRunner:
             parsed = parse_table_message(message.value)  # type: ignore[attr-defined]
         except (EnvelopeError, TableError):
             return  # engines reject it with a reason; nothing for the service to learn
+        loop = self.service.loop(parsed.key)
+        now_s = loop.clock_s if loop is not None else None
         if isinstance(parsed, TableEnvelope):
-            loop = self.service.loop(parsed.key)
-            now_s = loop.clock_s if loop is not None else None
             self.service.table_seen(parsed, now_s)
+        elif isinstance(parsed, TableControl):
+            keyring = self.settings.keyring()
+            if keyring:
+                try:
+                    parsed.verify(keyring)
+                except SignatureError:
+                    return  # engines refuse it too, naming the reason
+            self.service.control_seen(parsed, now_s)
 
     def _on_status(self, message: object) -> None:
         try:

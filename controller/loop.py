@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from controller.agent import TableAgent
+from controller.agent import Mode, TableAgent
 from controller.channel import ControlChannel, clock_time
 from controller.drift import DriftDetector
 from controller.guardrail import Guardrail, Verdict
@@ -75,6 +75,9 @@ ROLLBACK_OF = "rollback_of"
 the version it withdraws. A rollback is a new version, so a log replayed from the beginning
 folds to the same table as one followed live."""
 
+OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
+"""Controls only operators send (the loop sends force and release): it follows them."""
+
 
 class LoopState(enum.Enum):
     PROFILING = "profiling"
@@ -89,11 +92,14 @@ class LoopState(enum.Enum):
 class ClosedLoop:
     def __init__(self, channel: ControlChannel, limits: EngineLimits, status: StatusPublisher,
                  fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
-                 current: TableEnvelope | None = None, newest_version: int = 0) -> None:
+                 current: TableEnvelope | None = None, newest_version: int = 0,
+                 log: tuple[TableEnvelope | TableControl, ...] = ()) -> None:
         """`channel`: where envelopes and controls go (the tables topic, or the twin's
         engines in memory); `startup_table`: what the key's engines run before any version;
         `current`, `newest_version`: what the tables topic already holds for the key (a
-        restarted control service goes on from there, LIVE, rather than profiling again)."""
+        restarted control service goes on from there, LIVE, rather than profiling again);
+        `log`: the key's envelopes and operator controls on the topic, in order, folded as
+        the engines folded them (a pin or an operator's rollback holds after a restart)."""
         self.channel = channel
         self.startup_table = startup_table
         self.limits = limits
@@ -132,19 +138,37 @@ class ClosedLoop:
         """Every decision with its (telemetry) time, for benchmarks, tests and audits."""
         self.applied: list[tuple[float, int, DraftTable]] = []
         """(telemetry time, version, table) of each table the loop sent, in order."""
-        if current is not None or newest_version > 0:
-            self._resume(current, newest_version)
+        if current is not None or newest_version > 0 or log:
+            self._resume(current, newest_version, log)
 
     # ---- inputs ---------------------------------------------------------------------------
-    def _resume(self, current: TableEnvelope | None, newest_version: int) -> None:
+    def _resume(self, current: TableEnvelope | None, newest_version: int,
+                log: tuple[TableEnvelope | TableControl, ...]) -> None:
         """Go on from the tables topic's state: the newest version's number, and the table
         the fleet runs (LIVE, with a refit due; no profile)."""
-        if current is not None:
-            self.agent.state.newest_version = current.version - 1
-            self.agent.on_envelope(current)
+        agent = self.agent
+        if log:
+            emit, agent.emit = agent.emit, lambda *args, **fields: None  # said once, live
+            try:
+                for message in log:
+                    if isinstance(message, TableEnvelope):
+                        agent.on_envelope(message)
+                    elif not message.targets:
+                        agent.on_control(message)
+            finally:
+                agent.emit = emit
+            self._active_version = agent.state.desired_version
+        elif current is not None:
+            agent.state.newest_version = current.version - 1
+            agent.on_envelope(current)
             self._active_version = current.version
-        self.agent.state.newest_version = max(newest_version, self.agent.state.newest_version)
+        agent.state.newest_version = max(newest_version, agent.state.newest_version)
         self.state = LoopState.LIVE
+
+    @property
+    def pinned(self) -> bool:
+        """An operator pinned the fleet's table: the loop holds until the unpin."""
+        return self.agent.state.mode is Mode.PINNED
 
     def start(self, now_s: float) -> None:
         """A cold key profiles every engine at once (no table to protect yet); a resumed
@@ -193,6 +217,38 @@ class ClosedLoop:
         self.agent.state.newest_version = max(self.agent.state.newest_version,
                                               envelope.version)
 
+    def observe_control(self, control: TableControl, now_s: float) -> None:
+        """An operator's pin, unpin or rollback, which the engines fold as well: the loop's
+        table follows theirs. While pinned it holds (no force, refit or re-profile: the
+        operator froze the fleet); after a rollback it waits out the guardrail's cooldown
+        rather than send the withdrawn table straight back."""
+        if control.action not in OPERATOR_ACTIONS:
+            return  # force and release are the loop's own (or another replica's)
+        if control.targets:  # a part of the fleet: the loop decides for all of it
+            self._note(now_s, "operator_control_ignored", action=control.action,
+                       reason="targeted", targets=list(control.targets))
+            return
+        self.agent.on_control(control)
+        cfg = self.config
+        if self.pinned and self.state is not LoopState.LIVE:
+            self._sweep = None
+            self._release(now_s)
+            self.state = LoopState.LIVE
+            self._note(now_s, "reprofile_abandoned", reason="pinned")
+        if control.action == "rollback":
+            self._cooldown_until_s = now_s + cfg.rollback_cooldown_s
+            self._follow_up_s = None
+            self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
+        elif control.action == "unpin":
+            self._next_refit_s = now_s + cfg.refit_interval_s
+        self._muted = True  # the engines folded it themselves
+        try:
+            self._sync(now_s, guard=False)
+        finally:
+            self._muted = False
+        self._note(now_s, "operator", action=control.action,
+                   version=self.agent.state.desired_version, pinned=self.pinned)
+
     def preload(self, records: pa.Table) -> None:
         """Steps from before the loop started (a restarted service's lookback): kept for
         the fits' window only, never shown to the guardrail or the drift detector."""
@@ -207,11 +263,15 @@ class ClosedLoop:
         if records is not None and records.num_rows:
             self._records.append(records)
             self._trim(now_s)
+            if self.pinned:
+                return
             steps = StepColumns.from_records(records)
             if self.state is LoopState.LIVE:
                 self._watch(steps, now_s)
             else:  # a re-profile's settling stretch is the guardrail's baseline
                 self.guardrail.observe(steps)
+        if self.pinned:
+            return
         if self.state is not LoopState.LIVE:
             self._advance_sweep(now_s)
         elif self._follow_up_s is not None and now_s >= self._follow_up_s:

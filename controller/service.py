@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from controller.channel import ControlChannel
-from controller.loop import ClosedLoop, Fit
+from controller.loop import OPERATOR_ACTIONS, ClosedLoop, Fit
 from controller.loop_config import LoopConfig
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
-from schemas import DraftTable, EnvelopeError, TableEnvelope, TableKey
+from schemas import DraftTable, EnvelopeError, TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ class ControlService:
         self.unserved_records = 0
         """Telemetry of keys whose limits are not known yet (no `started`, no envelope)."""
         self._history: dict[TableKey, list[pa.Table]] = {}
+        self._logs: dict[TableKey, list[TableEnvelope | TableControl]] = {}
+        """Each unserved key's envelopes and operator controls, in topic order: what its
+        loop folds when it starts (a pin or an operator's rollback outlives a restart)."""
 
     # ---- what the fleet says --------------------------------------------------------------
     def engine_started(self, key: TableKey, limits: EngineLimits,
@@ -98,6 +101,7 @@ class ControlService:
             if now_s is not None:
                 served.loop.observe_envelope(envelope, now_s)
             return
+        self._logs.setdefault(key, []).append(envelope)
         known = self.starts.get(key)
         current = known.current if known is not None else None
         if current is None or envelope.version > current.version:
@@ -109,6 +113,18 @@ class ControlService:
         self.starts[key] = KeyStart(limits, startup, current,
                                     max(current.version, known.newest_version if known else 0),
                                     announced=known.announced if known is not None else False)
+
+    def control_seen(self, control: TableControl, now_s: float | None = None) -> None:
+        """A control on the tables topic: an operator's pin, unpin or rollback is followed
+        by the key's loop (force and release are the loops' own)."""
+        key = control.key
+        if not self._serves(key) or control.action not in OPERATOR_ACTIONS:
+            return
+        served = self.keys.get(key)
+        if served is None:
+            self._logs.setdefault(key, []).append(control)
+        elif now_s is not None:
+            served.loop.observe_control(control, now_s)
 
     def history(self, records: pa.Table) -> None:
         """Telemetry from before the service started (a restart's lookback): for the fits
@@ -192,7 +208,8 @@ class ControlService:
         status = StatusPublisher(self.settings, self.service_id, str(key), history=4096)
         loop = ClosedLoop(self.channel_for(key), known.limits, status, self.fit, self.config,
                           startup_table=known.startup_table, current=known.current,
-                          newest_version=known.newest_version)
+                          newest_version=known.newest_version,
+                          log=tuple(self._logs.pop(key, ())))
         # the newest live step: the lookback's older steps came in through `history`
         start_s = float(pc.max(records.column("ts_ns")).as_py()) / 1e9
         for rows in self._history.pop(key, []):

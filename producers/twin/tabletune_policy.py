@@ -33,7 +33,7 @@ from controller.validation import EngineLimits
 from producers.identity import EngineIdentity
 from producers.recorder import StepRecorder
 from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
-from schemas import DraftTable, TableEnvelope, TableKey
+from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 
 if TYPE_CHECKING:
     from producers.twin.engine import StepStats, TwinEngine
@@ -91,7 +91,7 @@ class TabletunePolicy(Policy):
         self._recorder: StepRecorder | None = None
         self._own_recorder = False
         self._next_tick_s = 0.0
-        self._planned: list[tuple[float, DraftTable]] = []
+        self._planned: list[tuple[float, DraftTable | TableControl]] = []
 
     @property
     def loop(self) -> ClosedLoop | None:
@@ -109,10 +109,11 @@ class TabletunePolicy(Policy):
         dense = [min(k, max_k) for k in self.startup.to_dense(max_batch)]
         return DraftTable.from_dense(dense), 0
 
-    def plant(self, at_s: float, table: DraftTable) -> None:
-        """Publish `table` (as if from the tables topic) at virtual time `at_s` (a test of
-        the guardrail: a bad table that must be rolled back)."""
-        self._planned.append((at_s, table))
+    def plant(self, at_s: float, message: DraftTable | TableControl) -> None:
+        """At virtual time `at_s`, put on the tables topic (as an operator would) a table,
+        published as the next version (a test of the guardrail: a bad table that must be
+        rolled back), or a control (pin, unpin, rollback: the service must follow it)."""
+        self._planned.append((at_s, message))
         self._planned.sort(key=lambda entry: entry[0])
 
     def start(self, engine: TwinEngine) -> None:
@@ -159,9 +160,13 @@ class TabletunePolicy(Policy):
             self.service.records(records)
         self.service.tick(now)
         while self._planned and self._planned[0][0] <= now:
-            _, table = self._planned.pop(0)
-            envelope = self._envelope(table)
+            _, planted = self._planned.pop(0)
             assert self.channel is not None
+            if isinstance(planted, TableControl):
+                self.channel.send(planted)
+                self.service.control_seen(planted, now)
+                continue
+            envelope = self._envelope(planted)
             self.channel.send(envelope)
             self.service.table_seen(envelope, now)
         assert self.feed is not None

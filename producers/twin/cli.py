@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -85,9 +86,12 @@ def run_twin(args: argparse.Namespace) -> int:
     if args.sink:
         check_kafka_sink(args.sink)
     try:
+        # records for a real sink are stamped from now, as a live engine's: ingest refuses
+        # stamps before 2020 (the in-memory epoch is 1970)
+        external = bool(args.sink) and not args.sink.startswith("null:")
         summary = run_scenario(args.scenario, args.policy, sink=args.sink,
                                duration_s=args.duration, realtime=args.realtime,
-                               drain=args.drain)
+                               drain=args.drain, epoch_s=time.time() if external else 0.0)
     except (ScenarioError, PolicyError, TableError, SinkError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -28,16 +28,18 @@ def open_sink(url: str) -> Sink:
 def run_scenario(scenario: Scenario | str | Path, policy: Policy | str, *,
                  sink: Sink | str | None = None, duration_s: float | None = None,
                  realtime: bool = False, drain: bool = False,
-                 recorder_config: RecorderConfig | None = None) -> RunSummary:
+                 recorder_config: RecorderConfig | None = None,
+                 epoch_s: float = 0.0) -> RunSummary:
     """Simulate `scenario` under `policy`; with `sink`, one telemetry record per step.
 
     `duration_s` overrides the scenario's total (the last phase lasts until then); `drain`
     keeps stepping after the end, without new arrivals, until every request has finished.
+    `epoch_s`: where virtual time 0 lies in the records' timestamps (0: 1970).
     The sink is closed at the end.
     """
     engine, recorder, chosen = build_engine(scenario, policy, sink=sink, duration_s=duration_s,
                                             realtime=realtime, drain=drain,
-                                            recorder_config=recorder_config)
+                                            recorder_config=recorder_config, epoch_s=epoch_s)
     try:
         log = engine.run(chosen)
     finally:

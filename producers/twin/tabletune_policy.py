@@ -137,7 +137,8 @@ class TabletunePolicy(Policy):
         self._recorder = engine.recorder
         engine_limits = EngineLimits(key=key, startup_k_values=frozenset(range(limits.max_k + 1)),
                                      max_batch=limits.max_num_seqs)
-        clock = lambda: clock_time(engine.clock_s)  # noqa: E731
+        # the telemetry's clock: virtual time from the engine's epoch (0 in memory)
+        clock = lambda: clock_time(engine.epoch_s + engine.clock_s)  # noqa: E731
         self.feed = EngineFeed(engine.switch, engine_limits,
                                StatusPublisher(None, limits.engine_id, str(key), history=4096),
                                clock, exploration=self.config.exploration)
@@ -158,17 +159,18 @@ class TabletunePolicy(Policy):
         records = self._sink.take()
         if records is not None:
             self.service.records(records)
-        self.service.tick(now)
+        at_s = engine.epoch_s + now  # the records' timestamps, which the service keys on
+        self.service.tick(at_s)
         while self._planned and self._planned[0][0] <= now:
             _, planted = self._planned.pop(0)
             assert self.channel is not None
             if isinstance(planted, TableControl):
                 self.channel.send(planted)
-                self.service.control_seen(planted, now)
+                self.service.control_seen(planted, at_s)
                 continue
             envelope = self._envelope(planted)
             self.channel.send(envelope)
-            self.service.table_seen(envelope, now)
+            self.service.table_seen(envelope, at_s)
         assert self.feed is not None
         self.feed.sync()  # a force's expiry, and the engine's `applied`
         if now + step.step_latency_s >= engine.end_s and not engine.drain:

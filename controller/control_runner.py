@@ -198,7 +198,9 @@ class ControlRunner:
             startup = DraftTable.from_vllm(event["startup_table"])
         except (ValueError, TypeError, KeyError, AttributeError, EnvelopeError, TableError):
             return  # another producer's event, or an older engine's without limits
-        self.service.engine_started(key, limits, startup)
+        engine_id = event.get("engine_id")
+        self.service.engine_started(key, limits, startup,
+                                    engine_id=engine_id if isinstance(engine_id, str) else None)
 
     def _on_telemetry(self, message: object) -> None:
         try:

@@ -72,14 +72,19 @@ class ControlService:
         self.unserved_records = 0
         """Telemetry of keys whose limits are not known yet (no `started`, no envelope)."""
         self._history: dict[TableKey, list[pa.Table]] = {}
+        self.engine_keys: dict[str, TableKey] = {}
+        """Engine id -> the key it announced it follows: its telemetry is that key's, even
+        where `TABLETUNE_TABLE_KEY` differs from its model|drafter|hardware."""
         self._logs: dict[TableKey, list[TableEnvelope | TableControl]] = {}
         """Each unserved key's envelopes and operator controls, in topic order: what its
         loop folds when it starts (a pin or an operator's rollback outlives a restart)."""
 
     # ---- what the fleet says --------------------------------------------------------------
     def engine_started(self, key: TableKey, limits: EngineLimits,
-                       startup_table: DraftTable) -> None:
+                       startup_table: DraftTable, engine_id: str | None = None) -> None:
         """An engine's announcement: the key's limits are what every engine can take."""
+        if engine_id is not None:
+            self.engine_keys[engine_id] = key
         if not self._serves(key) or key in self.keys:
             return
         known = self.starts.get(key)
@@ -139,11 +144,10 @@ class ControlService:
     def _by_key(self, records: pa.Table) -> list[tuple[TableKey, pa.Table]]:
         if records.num_rows == 0:
             return []
-        keys = pc.unique(pc.binary_join_element_wise(
-            records.column("model"), records.column("drafter"), records.column("hardware"),
-            "|")).to_pylist()
+        keys = self._key_column(records)
+        texts = pc.unique(keys).to_pylist()
         out = []
-        for text in keys:
+        for text in texts:
             try:
                 key = TableKey.parse(text)
             except EnvelopeError:  # a field with '|': no table can be keyed by it
@@ -151,14 +155,24 @@ class ControlService:
                 continue
             if not self._serves(key):
                 continue
-            if len(keys) == 1:
-                out.append((key, records))
-                continue
-            mask = pc.and_(pc.and_(pc.equal(records.column("model"), key.model),
-                                   pc.equal(records.column("drafter"), key.drafter)),
-                           pc.equal(records.column("hardware"), key.hardware))
-            out.append((key, records.filter(mask)))
+            out.append((key, records if len(texts) == 1
+                        else records.filter(pc.equal(keys, text))))
         return out
+
+    def _key_column(self, records: pa.Table) -> pa.Array:
+        """Each row's table key: the one its engine announced, else model|drafter|hardware."""
+        identity = pc.binary_join_element_wise(
+            records.column("model"), records.column("drafter"), records.column("hardware"),
+            "|")
+        engines = pc.unique(records.column("engine_id")).to_pylist()
+        routed = [e for e in engines if e in self.engine_keys]
+        if not routed:
+            return identity.combine_chunks() if isinstance(identity, pa.ChunkedArray) \
+                else identity
+        position = pc.index_in(records.column("engine_id"), value_set=pa.array(routed))
+        announced = pa.array([str(self.engine_keys[e]) for e in routed]).take(position)
+        chosen = pc.coalesce(announced, identity)
+        return chosen.combine_chunks() if isinstance(chosen, pa.ChunkedArray) else chosen
 
     def records(self, records: pa.Table) -> None:
         """Telemetry from any engines of any keys; kept per key until that key's next tick."""

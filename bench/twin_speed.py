@@ -1,17 +1,29 @@
 """How fast the twin simulates: steps per second of wall time, on one core.
 
     .venv/bin/python bench/twin_speed.py [--steps 20000] [--policy fixed:3] [--trace FILE] [--out DIR]
+    .venv/bin/python bench/twin_speed.py --process [--runs 5] [--scenario FILE] [--out DIR]
 
 Prints JSON: per concurrency (1, 64, 256), steps/s without telemetry ("recorder": false) and
 with every step going through the StepRecorder to a sink that discards ("recorder": true).
 The process is pinned to one CPU so the recorder's background thread competes with the
 engine the way it would on a loaded host. Setup (trace loading, pools) is not timed.
+
+`--process` times the whole command instead, start-up included (issue 29's target:
+>= 20,000 steps/s): `tabletune twin run --scenario bench/twin_speed_eagle64.toml
+--policy fixed:3 --sink null:// --json` (600 s virtual, 64 users, EAGLE), `--runs` times
+in a row; per run the wall time, the child's user + sys CPU time and steps / wall, then
+their medians. Not pinned (the command is what a user runs); PYTHONPATH is passed on, so
+another checkout can be timed with the same interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +38,7 @@ from producers.twin import EngineConfig, PhaseConfig, Scenario, build_engine  # 
 from producers.twin.cost import CostModel  # noqa: E402
 
 SHAREGPT_EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
+SPEED_SCENARIO = Path(__file__).with_name("twin_speed_eagle64.toml")
 
 
 def scenario_for(concurrency: int, steps: int, trace: str | None) -> Scenario:
@@ -61,6 +74,33 @@ def measure(concurrency: int, *, recorder: bool, steps: int, policy: str,
     }
 
 
+def measure_process(scenario: str, *, policy: str, sink: str, runs: int) -> dict[str, object]:
+    """`tabletune twin run` as a user runs it, `runs` times: wall, CPU (user + sys), steps/s."""
+    command = [str(Path(sys.executable).with_name("tabletune")), "twin", "run",
+               "--scenario", scenario, "--policy", policy, "--sink", sink, "--json"]
+    rows = []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        steps = int(json.loads(done.stdout)["steps"])
+        rows.append({"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "steps": steps,
+                     "steps_per_s": round(steps / wall, 1)})
+    wall = statistics.median(r["wall_s"] for r in rows)
+    return {
+        "command": " ".join(command),
+        "runs": rows,
+        "median_wall_s": wall,
+        "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
+        "steps": rows[0]["steps"],
+        "steps_per_s": round(rows[0]["steps"] / wall, 1),
+        "steps_per_cpu_s": round(rows[0]["steps"] / statistics.median(r["cpu_s"] for r in rows), 1),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20000, help="about this many per run")
@@ -70,7 +110,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--no-pin", action="store_true", help="do not pin to one CPU")
     parser.add_argument("--out", default=None, help="also write twin_speed.json here")
+    parser.add_argument("--process", action="store_true",
+                        help="time the whole `tabletune twin run` command instead")
+    parser.add_argument("--scenario", default=str(SPEED_SCENARIO), help="with --process")
+    parser.add_argument("--sink", default="null://", help="with --process")
+    parser.add_argument("--runs", type=int, default=5, help="with --process")
     args = parser.parse_args()
+    if args.process:
+        result = measure_process(args.scenario, policy=args.policy, sink=args.sink,
+                                 runs=args.runs)
+        emit("twin_speed_process", {"numpy": np.__version__, "policy": args.policy, **result},
+             args.out)
+        return 0
     pinned = None
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         pinned = min(os.sched_getaffinity(0))

@@ -63,7 +63,11 @@ def to_arrow(steps: Sequence[np.ndarray | tuple[()]], max_positions: int) -> pa.
 
 
 class RequestLedger:
-    """Running sums per (request, segment) in a ring of `ring` slots (a power of two)."""
+    """Running sums per (request, segment) in a ring of `ring` slots (a power of two).
+
+    A step's counts but tokens and context depend only on (drafts, accepted), so they are
+    kept as a histogram of those pairs per (slot, segment) and turned into counts when the
+    request finishes: a step costs three one-dimensional additions."""
 
     def __init__(self, max_positions: int, ring: int = 4096) -> None:
         if ring < 1 or ring & (ring - 1):
@@ -71,10 +75,6 @@ class RequestLedger:
         self.max_positions = max(int(max_positions), 1)
         self._mask = ring - 1
         self._owner = np.full(ring, -1, dtype=np.int64)
-        # rows are (slot, segment) pairs, flattened; columns the four sums, then drafts
-        # reached per position, then accepted per position: one fancy addition per step
-        self._counts = np.zeros((ring * REQUEST_SEGMENTS, 4 + 2 * self.max_positions),
-                                dtype=np.int64)
         width = self.max_positions
         reached = np.arange(width + 1)[:, None, None] > np.arange(width)
         accepted = np.arange(width + 1)[None, :, None] > np.arange(width)
@@ -83,9 +83,22 @@ class RequestLedger:
         by_reached = np.concatenate([steps, *np.broadcast_arrays(reached, accepted)],
                                     axis=2).astype(np.int64)  # [reached, accepted]
         drafts, accepted = np.arange(width + 1)[:, None], np.arange(width + 1)[None, :]
-        self._step_rows = by_reached[np.minimum(accepted + 1, drafts), accepted]
+        step_rows = by_reached[np.minimum(accepted + 1, drafts), accepted]
         """One step's counts but tokens and context, at [drafts, accepted] (drafts reach
         position i when all before it were accepted)."""
+        # the (drafts, accepted <= drafts) pairs, numbered: a histogram bin each
+        pairs = np.flatnonzero((accepted <= drafts).reshape(-1))
+        self._pairs = len(pairs)
+        self._pair_of = np.zeros((width + 1) * (width + 1), dtype=np.int64)
+        self._pair_of[pairs] = np.arange(self._pairs)
+        self._pair_of = self._pair_of.reshape(width + 1, width + 1)
+        """[drafts, accepted] -> histogram bin (accepted <= drafts)."""
+        self._pair_rows = step_rows.reshape(-1, step_rows.shape[-1])[pairs]
+        """Per histogram bin, the counts of one step."""
+        cells = ring * REQUEST_SEGMENTS  # (slot, segment) pairs, flattened
+        self._hist = np.zeros(cells * self._pairs, dtype=np.int32)
+        self._tokens = np.zeros(cells, dtype=np.int64)
+        self._context = np.zeros(cells, dtype=np.int64)
         self._no_rows = np.zeros((0, _ROW_FIXED + 2 * self.max_positions), dtype=np.int64)
         self.slots_reused = 0
 
@@ -97,19 +110,48 @@ class RequestLedger:
         ids = np.asarray(requests, dtype=np.int64)
         if ids.size == 0:
             return
+        slots, shared = self._own(ids)
+        cells = slots * REQUEST_SEGMENTS + generation_segment(generated)
+        if np.ndim(drafted) == 0:  # one draft length for all: one row of the bins
+            reach = min(int(drafted), self.max_positions)
+            bins = self._pair_of[reach].take(np.minimum(accepted, reach))
+        else:
+            drafted = np.minimum(drafted, self.max_positions)
+            bins = self._pair_of[drafted, np.minimum(accepted, drafted)]
+        keys = cells * self._pairs + bins
+        if shared:  # two requests in one slot (one outlived `ring` newer ones): where they
+            # share a cell, the last one's step counts, as for the sums below
+            _, last = np.unique(cells[::-1], return_index=True)
+            keys = keys[cells.size - 1 - last]
+        self._hist[keys] += 1
+        self._tokens[cells] += emitted
+        self._context[cells] += context
+
+    def observe_steps(self, requests: ArrayLike, *, generated: np.ndarray, drafted: int,
+                      accepted: np.ndarray, emitted: np.ndarray, context: np.ndarray) -> None:
+        """Consecutive steps of the same decoding requests, all verifying `drafted` drafts:
+        row s of each (steps, requests) array is one step, as `observe` takes it. The same
+        sums as one `observe` per row (the twin's runs of decode-only steps)."""
+        ids = np.asarray(requests, dtype=np.int64)
+        if ids.size == 0 or len(generated) == 0:
+            return
         slots = ids & self._mask
-        stale = self._owner[slots] != ids
-        if stale.any():
-            taken = slots[stale & (self._owner[slots] >= 0)]
-            self.slots_reused += int(taken.size)
-            self._clear(slots[stale])
-            self._owner[slots[stale]] = ids[stale]
-        rows = slots * REQUEST_SEGMENTS + generation_segment(generated)
-        drafted = np.minimum(drafted, self.max_positions)
-        step = self._step_rows[drafted, np.minimum(accepted, drafted)]
-        step[:, _TOKENS] = emitted
-        step[:, _CONTEXT] = context
-        self._counts[rows] += step
+        if (self._owner.take(slots) != ids).any() and np.unique(slots).size < slots.size:
+            for step in range(len(generated)):  # requests sharing a slot: step by step
+                self.observe(ids, generated=generated[step], drafted=drafted,
+                             accepted=accepted[step], emitted=emitted[step],
+                             context=context[step])
+            return
+        cells = generation_segment(generated)
+        cells += self._own(ids)[0] * REQUEST_SEGMENTS
+        cells = cells.reshape(-1)  # flat, and values of the same type: np.add.at's fast path
+        reach = min(int(drafted), self.max_positions)
+        keys = cells * self._pairs
+        keys += self._pair_of[reach].take(np.minimum(accepted, reach).reshape(-1))
+        # a request's cell repeats from step to step: unbuffered additions
+        np.add.at(self._hist, keys, np.ones(keys.size, dtype=self._hist.dtype))
+        np.add.at(self._tokens, cells, np.asarray(emitted, dtype=np.int64).reshape(-1))
+        np.add.at(self._context, cells, np.asarray(context, dtype=np.int64).reshape(-1))
 
     def finish(self, requests: ArrayLike) -> np.ndarray:
         """Rows of the requests that left the batch, numbered in the order given (one that
@@ -117,13 +159,17 @@ class RequestLedger:
         segment, then this ledger's counts (`to_arrow` turns steps' rows into the column)."""
         ids = np.asarray(requests, dtype=np.int64).reshape(-1)
         slots = ids & self._mask
-        slots = slots[self._owner[slots] == ids]
+        slots = slots[self._owner.take(slots) == ids]
         if slots.size == 0:
             return self._no_rows
-        blocks = slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)
-        counts = self._counts[blocks]  # (requests, segments, columns)
-        request, segment = np.nonzero(counts[:, :, _STEPS])
-        rows = np.column_stack((request, segment, counts[request, segment]))
+        cells = slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)
+        hist = self._hist.reshape(-1, self._pairs)[cells]  # (requests, segments, bins)
+        request, segment = np.nonzero(hist.any(axis=2))
+        counts = hist[request, segment].astype(np.int64) @ self._pair_rows
+        held = cells[request, segment]
+        counts[:, _TOKENS] = self._tokens[held]
+        counts[:, _CONTEXT] = self._context[held]
+        rows = np.column_stack((request, segment, counts))
         self._clear(slots)
         return rows
 
@@ -134,7 +180,24 @@ class RequestLedger:
         slots = ids & self._mask
         self._clear(slots[self._owner[slots] == ids])
 
+    def _own(self, ids: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The requests' slots, taken over where another request held them (its sums
+        restart; a free slot is already clear), and whether two of them share a slot."""
+        slots = ids & self._mask
+        owners = self._owner.take(slots)
+        stale = owners != ids
+        if not stale.any():
+            return slots, False
+        taken = slots[stale & (owners >= 0)]
+        if taken.size:
+            self.slots_reused += int(taken.size)
+            self._clear(taken)
+        self._owner[slots[stale]] = ids[stale]
+        return slots, bool((self._owner.take(slots) != ids).any())
+
     def _clear(self, slots: np.ndarray) -> None:
         self._owner[slots] = -1
-        rows = (slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)).reshape(-1)
-        self._counts[rows] = 0
+        cells = (slots[:, None] * REQUEST_SEGMENTS + np.arange(REQUEST_SEGMENTS)).reshape(-1)
+        self._hist.reshape(-1, self._pairs)[cells] = 0
+        self._tokens[cells] = 0
+        self._context[cells] = 0

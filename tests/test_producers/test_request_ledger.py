@@ -88,3 +88,24 @@ def test_a_frame_column_keeps_each_steps_rows_apart():
     assert column[2][0]["segment"] == 8 and column[2][0]["context_tokens"] == 400
     with pytest.raises(ValueError, match="columns"):
         to_arrow([np.zeros((1, 5), dtype=np.int64)], 2)
+
+
+@pytest.mark.parametrize("ring", [4096, 4])  # 4: requests 11 and 15 share a slot
+def test_several_steps_at_once_sum_as_one_observe_per_step(ring):
+    rng = np.random.default_rng(3)
+    steps, requests = 6, 5
+    generated = 1 + np.cumsum(rng.integers(1, 4, size=(steps, requests)), axis=0)
+    accepted = rng.integers(0, 4, size=(steps, requests))
+    emitted = accepted + 1
+    context = 100 + generated
+    ids = [11, 12, 13, 14, 15]
+    one, many = RequestLedger(3, ring=ring), RequestLedger(3, ring=ring)
+    for s in range(steps):
+        one.observe(ids, generated=generated[s], drafted=3, accepted=accepted[s],
+                    emitted=emitted[s], context=context[s])
+    many.observe_steps(ids, generated=generated, drafted=3, accepted=accepted,
+                       emitted=emitted, context=context)
+    assert one.slots_reused == many.slots_reused == (0 if ring > 4 else steps - 1)
+    rows = many.finish(ids)
+    assert np.array_equal(one.finish(ids), rows) and rows.shape[0] > 0
+    assert many.finish(ids).shape[0] == 0

@@ -10,6 +10,12 @@ One step, as vLLM's scheduler and model runner do it:
    tokens (never past its output length); a request whose prefill completes emits its first
    token; every request that emitted and goes on gets K drafts, verified at the next step;
 5. latency from the cost model with noise advances the virtual clock; one telemetry record.
+
+Most steps only decode (no prompt to prefill, nobody waiting, one K for all): from one such
+step on, `_decode_run` computes the steps up to the next one where a request finishes as
+arrays over (steps, requests) — each request's tokens per step follow from its acc_len
+chain alone — and then takes them one by one exactly as `run` and `_step` would (arrivals,
+staged tables, latency and noise, telemetry, policy), stopping where the batch would change.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from producers.twin.traffic import Arrival, Traffic
 from producers.twin.workload import RequestPool, pool_for_phase
 
 _NOISE_BLOCK = 4096
+_RUN_STEPS = 64
+"""At most this many decode-only steps are computed ahead at once (`_decode_run`)."""
 _add = np.add.reduce
 _max = np.maximum.reduce
+_min = np.minimum.reduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +111,12 @@ class TwinEngine:
         self._noise = np.ones(0)
         self._noise_at = 0
         self._match_prob = scenario.drafter.ngram_match_prob if self.method == "ngram" else 1.0
+        self._next_at: dict[int, np.ndarray] = {}
+        """Per K: acc_len position -> position after one step drafting K (`_decode_run`)."""
+        self._run_rate = 1.0
+        """Tokens per request per decode step lately (how far `_decode_run` looks ahead)."""
+        self._positions = np.arange(1, limits.max_k + 1)
+        """Draft position i + 1 was accepted in a step that emitted more than i + 1 tokens."""
         self._ledger = RequestLedger(limits.max_k)
         """Per-request sums for telemetry's `finished_requests` (kept while recording)."""
         telemetry = recorder.config if recorder is not None else RecorderConfig()
@@ -122,18 +137,26 @@ class TwinEngine:
         interval = policy.step_interval
         wall_start = time.monotonic()
         batch = self.batch
+        # decode runs: whenever the step would only decode (paced runs step one by one)
+        runs = not self.realtime and self._match_prob == 1.0 and interval != 1
+        started = False  # the step at clock_s had its start (arrivals) taken by a run
         while True:
             t = self.clock_s
-            if t >= self.end_s and (not self.drain or (batch.n == 0 and not self.waiting)):
-                break
-            if self.realtime:  # pace virtual time to the wall clock, idle gaps included
-                time.sleep(max(0.0, t / self.speedup - (time.monotonic() - wall_start)))
-            for arrival in self.traffic.arrivals(t, batch.n + len(self.waiting)):
-                self.waiting.append(arrival)
-            if batch.n == 0 and not self.waiting:
-                self.clock_s = min(self.traffic.next_event_s(t), max(self.end_s, t))
-                if self.clock_s <= t:
+            if not started:
+                if t >= self.end_s and (not self.drain or (batch.n == 0 and not self.waiting)):
                     break
+                if self.realtime:  # pace virtual time to the wall clock, idle gaps included
+                    time.sleep(max(0.0, t / self.speedup - (time.monotonic() - wall_start)))
+                for arrival in self.traffic.arrivals(t, batch.n + len(self.waiting)):
+                    self.waiting.append(arrival)
+                if batch.n == 0 and not self.waiting:
+                    self.clock_s = min(self.traffic.next_event_s(t), max(self.end_s, t))
+                    if self.clock_s <= t:
+                        break
+                    continue
+            started = False
+            if runs and not self._prefilling and not self.waiting:
+                started = self._decode_run(t, policy, interval)
                 continue
             stats = self._step(t, want_stats=interval > 0 and (self.steps + 1) % interval == 0)
             if stats is not None:
@@ -242,6 +265,154 @@ class TwinEngine:
             num_accepted_tokens=accepted, accepted_per_pos=tuple(int(c) for c in per_pos),
             kv_tokens=kv, step_latency_s=latency, emitted_tokens=emitted,
             table_version=self.switch.version)
+
+    def _decode_run(self, t: float, policy: Policy, interval: int) -> bool:
+        """Steps from `t`, whose start `run` took, while every running request only decodes,
+        all with the K proposed at the previous step: up to and including the first step in
+        which a request finishes, a step whose start brings arrivals or a new table (not
+        taken: returns True, and `run` hands that step to `_step`), the end of the run, or
+        a step whose statistics the policy wants. What each step does, and every draw, is
+        what `_step` would do; the per-request arithmetic is done for all steps at once."""
+        switch = self.switch
+        switch.apply_staged()
+        b = self.batch
+        d = b.n
+        k = self._last_k_next
+        want_at = interval - 1 - self.steps % interval if interval > 0 else _RUN_STEPS
+        if switch.explorer is not None or switch.lookup[min(d, switch.max_batch)] != k \
+                or want_at == 0:
+            stats = self._step(t, want_stats=want_at == 0)  # its apply_staged finds none
+            if stats is not None:
+                policy.on_step(self, stats)
+            return False
+        # Each request's acc_len positions step by step (position = offset + generated - 1):
+        # `ahead` steps computed, as many as the request nearest its end is likely to need.
+        left0 = b.output[:d] - b.generated[:d]
+        ahead = min(int(_min(left0) / self._run_rate) + 2, _RUN_STEPS, want_at + 1)
+        next_at = self._next_at.get(k)
+        if next_at is None:
+            next_at = self._next_positions(k)
+        at = np.empty((ahead + 1, d), dtype=np.int64)
+        np.add(b.acc_offset[:d], b.generated[:d], out=at[0])
+        at[0] -= 1
+        for i in range(ahead):
+            next_at.take(at[i], out=at[i + 1])
+        done = at[1:] - at[0]  # tokens emitted up to and including each step, uncapped
+        finishing = done >= left0
+        ends = finishing.any(axis=1)
+        steps = int(ends.argmax()) + 1 if ends[-1] else ahead  # through the first finish
+        finish_step = steps - 1 if ends[-1] else -1
+        emit_full = at[1:steps + 1] - at[:steps]
+        context = at[:steps] + (b.prompt[:d] + b.generated[:d] - at[0])
+        kv = _add(context, axis=1).tolist()
+        ctx_max = _max(context, axis=1).tolist()
+        emit_sums = _add(emit_full, axis=1)
+        accepted = (emit_sums - d).tolist()
+        emitted = emit_sums.tolist()
+        finished = None
+        n_finished = 0
+        if finish_step >= 0:
+            left = left0 - (done[finish_step - 1] if finish_step else 0)
+            emit_last = np.minimum(emit_full[finish_step], left)
+            finished = finishing[finish_step]
+            n_finished = int(np.count_nonzero(finished))
+            emitted[finish_step] = int(_add(emit_last))
+        per_pos = ((emit_full[:, :, None] > self._positions[:k]).sum(axis=1) if k
+                   else emit_full[:, :0])
+        # The steps one by one, as `run` and `_step` take them.
+        batched = d + k * d
+        starts: list[float] = []
+        latencies: list[float] = []
+        phases: list[int] = []
+        forced: list[bool] = []
+        started = False
+        traffic = self.traffic
+        for i in range(steps):
+            if i:
+                if t >= self.end_s and not self.drain:
+                    break
+                arrivals = traffic.arrivals(t, d)
+                if arrivals:
+                    self.waiting.extend(arrivals)
+                    started = True
+                    break
+                if switch.apply_staged() is not None:
+                    started = True
+                    break
+            switch.k_for_step(d)  # == k: no explorer, the same table
+            forced.append(switch.step_forced)
+            drafting = k > 0 and (i != finish_step or d > n_finished)
+            latency = self._latency(kv[i], batched, k if drafting else 0)
+            starts.append(t)
+            latencies.append(latency)
+            phases.append(traffic.phase_index(t))
+            t = t + latency
+        taken = len(starts)
+        if taken < steps:
+            finish_step = -1
+        # State after the steps taken; the ledger first (a finishing request's rows).
+        generated = b.generated[:d]
+        recorder = self.recorder
+        if recorder is not None:
+            ledger_emit = emit_full[:taken]
+            if finish_step >= 0:
+                ledger_emit = ledger_emit.copy()
+                ledger_emit[finish_step] = emit_last
+            self._ledger.observe_steps(b.request_id[:d], generated=at[:taken] - (at[0] - generated),
+                                       drafted=k, accepted=emit_full[:taken] - 1,
+                                       emitted=ledger_emit, context=context[:taken])
+        generated += done[taken - 1]
+        if finish_step >= 0:
+            generated -= emit_full[finish_step] - emit_last
+        b.k_pending[:d] = k
+        self._run_rate = max(0.5, float(_add(done[taken - 1])) / (d * taken))
+        version = switch.version
+        num_drafts = d if k else 0
+        previous = self._last_step_start_s
+        seq0 = self.steps
+        for i in range(taken):
+            start = starts[i]
+            inter_step = start - previous if previous is not None else 0.0
+            previous = start
+            if recorder is not None:
+                leaving = (self._ledger.finish(b.request_id[:d][finished])
+                           if i == finish_step and n_finished else ())
+                recorder.record_step(
+                    batch_size=d, num_decode_reqs=d, num_prefill_reqs=0,
+                    num_prefill_tokens=0, k=k, k_next=k, table_version=version,
+                    num_drafts=num_drafts, num_draft_tokens=k * d,
+                    num_accepted_tokens=accepted[i], accepted_per_pos=per_pos[i],
+                    kv_tokens=kv[i], ctx_len_mean=kv[i] / d, ctx_len_max=ctx_max[i],
+                    step_latency_s=latencies[i], inter_step_s=inter_step, forced=forced[i],
+                    ts_ns=self._epoch_ns + int(start * 1e9), finished_requests=leaving)
+                if (seq0 + i) % self._backlog_check_steps == 0:
+                    self._wait_for_sink(recorder)
+        self._last_step_start_s = previous
+        self.log.add_steps(starts, latencies, d, k, emitted[:taken], phases)
+        if finish_step >= 0 and n_finished:
+            self._finish(finished, t)
+        self.clock_s = t
+        self.steps = seq0 + taken
+        if not started and want_at == taken - 1:
+            i = taken - 1
+            policy.on_step(self, StepStats(
+                step_seq=self.steps - 1, t_s=starts[i], phase=phases[i], batch_size=d,
+                num_decode_reqs=d, num_prefill_reqs=0, num_prefill_tokens=0, k=k, k_next=k,
+                num_drafts=num_drafts, num_draft_tokens=k * d,
+                num_accepted_tokens=accepted[i],
+                accepted_per_pos=tuple(int(c) for c in per_pos[i]), kv_tokens=kv[i],
+                step_latency_s=latencies[i], emitted_tokens=emitted[i],
+                table_version=version))
+        return started
+
+    def _next_positions(self, k: int) -> np.ndarray:
+        """acc_len position -> the position one step drafting `k` moves a request to; past
+        the end, positions stay (only requests that already finished get there)."""
+        size = len(self.acc_len)
+        positions = np.arange(size + self.scenario.engine.max_k + 2, dtype=np.int64)
+        positions[:size] += np.minimum(self.acc_len, k + 1)
+        self._next_at[k] = positions
+        return positions
 
     def abort(self, count: int) -> int:
         """Abort `count` requests, as a client that closes its connections makes vLLM do:

@@ -36,6 +36,16 @@ class RunLog:
         self.emitted.append(emitted)
         self.phase.append(phase)
 
+    def add_steps(self, start_s: list[float], latency_s: list[float], batch_size: int,
+                  k_next: int, emitted: list[int], phase: list[int]) -> None:
+        """Consecutive steps of one batch size and K, as one `add_step` each."""
+        self.step_start_s.extend(start_s)
+        self.step_latency_s.extend(latency_s)
+        self.batch_size.extend([batch_size] * len(start_s))
+        self.k_next.extend([k_next] * len(start_s))
+        self.emitted.extend(emitted)
+        self.phase.extend(phase)
+
     def add_finished(self, arrival_s: np.ndarray, first_token_s: np.ndarray, finish_s: float,
                      output_tokens: np.ndarray, request_id: np.ndarray,
                      pool_index: np.ndarray, phase: np.ndarray) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from producers.twin import (
@@ -263,3 +264,69 @@ def test_each_phase_serves_the_same_requests_whatever_the_earlier_phases_drew(wo
     few, many = second_phase_requests(5), second_phase_requests(50)
     assert len(few) == 12 and few == many
     assert len(set(few)) > 1
+
+
+class KeepingSink:
+    """Keeps copies of the recorder's frames (its buffers are reused after `write`)."""
+
+    def __init__(self) -> None:
+        self.frames = []
+
+    def write(self, records):
+        self.frames.append(records.take(list(range(records.num_rows))))
+
+    def flush(self, timeout_s=5.0):
+        return True
+
+    def close(self, timeout_s=5.0):
+        return None
+
+    def counters(self):
+        return {}
+
+
+class StepByStep(Policy):
+    """A static table and a (no-op) look at every step: the engine steps one by one."""
+
+    step_interval = 1
+
+    def __init__(self, table: list[list[int]], interval: int) -> None:
+        self.table = DraftTable.from_vllm(table)
+        self.name = "table"
+        self.step_interval = interval
+
+    def initial_table(self, *, max_k, max_batch):
+        return DraftTable.from_dense(self.table.to_dense(max_batch)), 0
+
+
+@pytest.mark.parametrize("case", ["closed", "by-batch", "open-drain", "queue", "k0"])
+def test_runs_of_decode_steps_change_nothing(workload, case):
+    """The engine computes stretches of decode-only steps at once: every step, record and
+    draw must be what stepping one by one gives."""
+    table, drain, engine_limits = [[1, 256, 3]], False, {}
+    phases = (workload(concurrency=12, duration_s=8.0), workload(concurrency=20, duration_s=8.0))
+    if case == "by-batch":
+        table = [[1, 8, 5], [9, 14, 3], [15, 256, 1]]
+    elif case == "open-drain":
+        phases, drain = (workload(concurrency=None, rate_rps=30.0, duration_s=6.0),), True
+    elif case == "queue":
+        engine_limits = {"max_num_seqs": 8}
+    elif case == "k0":
+        table = [[1, 256, 0]]
+    results = []
+    for interval in (0, 1):
+        sink = KeepingSink()
+        policy = StepByStep(table, interval)
+        engine, recorder, _ = build_engine(scenario(*phases, **engine_limits), policy,
+                                           sink=sink, drain=drain)
+        log = engine.run(policy)
+        recorder.close()
+        records = pa.concat_tables(sink.frames)
+        results.append((log, records, engine.batch.n, engine.clock_s))
+    (log, records, n, clock), (log_1, records_1, n_1, clock_1) = results
+    assert (n, clock) == (n_1, clock_1) and len(log.emitted) > 500
+    for name in ("step_start_s", "step_latency_s", "batch_size", "k_next", "emitted", "phase"):
+        assert getattr(log, name) == getattr(log_1, name)
+    for name, column in log.finished().items():
+        np.testing.assert_array_equal(column, log_1.finished()[name])
+    assert records.equals(records_1)

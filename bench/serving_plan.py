@@ -3,7 +3,10 @@
 A phase is one run of vLLM's client (`vllm bench serve`): random prompts, Poisson arrivals
 at a rate above what the server can take, capped at a concurrency, so the server runs at
 that concurrency and output throughput depends on the table. Its size is a number of
-prompts, chosen from a target length in seconds and the throughput expected of it.
+prompts, chosen from a target length in seconds and the server's speed in that phase: the
+first arm probes each phase (a short client run before it), later arms are sized from the
+fastest arm's speed so far, so a slower or busier machine runs as long, not 10x longer, and
+a faster table never gets a shorter phase than its target.
 """
 
 from __future__ import annotations
@@ -27,12 +30,22 @@ class Phase:
     """`--request-rate`, Poisson (burstiness 1); above the server's capacity at this
     concurrency in the full phases, so the cap, not the arrivals, sets the load."""
     expected_tok_s: float
-    """Output tokens/s expected (sizing only: prompts = seconds x this / output_len)."""
+    """Output tokens/s expected (sizing when nothing was probed: prompts = seconds x this /
+    output_len)."""
     seed: int
     """The same prompts and arrivals in every arm."""
 
-    def num_prompts(self, seconds: float) -> int:
-        return max(2 * self.concurrency, round(seconds * self.expected_tok_s / self.output_len))
+    def num_prompts(self, seconds: float, tok_s: float | None = None) -> int:
+        """Prompts for `seconds` at `tok_s` output tokens/s (default: `expected_tok_s`)."""
+        rate = self.expected_tok_s if tok_s is None else tok_s
+        # one more request per slot: the ramp and the drain run below the steady rate
+        return max(self.probe_prompts,
+                   round(seconds * rate / self.output_len) + self.concurrency)
+
+    @property
+    def probe_prompts(self) -> int:
+        """A probe of the server's speed in this phase: two requests per slot."""
+        return 2 * self.concurrency
 
     def describe(self) -> str:
         return (f"{self.input_len} in / {self.output_len} out tokens, <= {self.concurrency} "
@@ -53,8 +66,10 @@ length holds on a faster or slower machine: the profile must end inside it."""
 
 
 def client_argv(phase: Phase, *, prompts: int, base_url: str, model: str, tokenizer: str,
-                result_dir: str, result_file: str, first: bool) -> list[str]:
-    """`vllm bench serve` arguments for one phase (the first one warms the server up)."""
+                result_dir: str, result_file: str | None, warmups: int) -> list[str]:
+    """`vllm bench serve` arguments for one phase (no result file: not saved)."""
+    saving = (["--save-result", "--result-dir", result_dir, "--result-filename", result_file]
+              if result_file else [])
     return [
         "--backend", "vllm", "--base-url", base_url, "--model", model,
         "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -64,9 +79,8 @@ def client_argv(phase: Phase, *, prompts: int, base_url: str, model: str, tokeni
         "--max-concurrency", str(phase.concurrency), "--ignore-eos", "--temperature", "0",
         "--seed", str(phase.seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        # the caller waited for /health; one warm-up request takes the first-request cost
-        "--ready-check-timeout-sec", "0", "--num-warmups", "1" if first else "0",
-        "--save-result", "--result-dir", result_dir, "--result-filename", result_file,
+        # the caller waited for /health; a warm-up request takes the first-request cost
+        "--ready-check-timeout-sec", "0", "--num-warmups", str(warmups), *saving,
     ]
 
 

@@ -27,15 +27,15 @@ def arm_entries(runs: list[ArmRun], steps: pl.DataFrame, lead_s: dict[str, float
     for run in runs:
         mine = steps.filter(pl.col("engine_id") == run.engine_id)
         lead = lead_s["tabletune" if run.slot.arm == "tabletune" else "fixed"]
-        origin, end = run.phases[0]["started"], run.phases[-1]["ended"]
+        telemetry = {}
+        for p in run.phases:
+            telemetry[p["name"]] = phase_telemetry(mine, p, run.results[p["name"]], lead)
+            telemetry[p["name"]]["timeline_10s"] = timeline(mine, p["started"], p["ended"])
         arms.setdefault(run.slot.arm, {"repeats": []})["repeats"].append({
             "repeat": run.slot.repeat, "key": run.key, "engine_id": run.engine_id,
             "forced_table": run.table, "server_start_s": _round(run.server_start_s),
             "wall_s": _round(run.wall_s), "phase_times": run.phases, "phases": run.results,
-            "telemetry": {p["name"]: phase_telemetry(mine, p, run.results[p["name"]], lead)
-                          for p in run.phases},
-            "timeline_10s": timeline(mine, origin, end),
-        })
+            "telemetry": telemetry})
     for entry in arms.values():
         repeats = entry["repeats"]
         names = [p["name"] for p in repeats[0]["phase_times"]]

@@ -68,14 +68,18 @@ def phase_telemetry(steps: pl.DataFrame, phase: dict[str, Any], result: dict[str
 
 def timeline(steps: pl.DataFrame, origin_s: float, end_s: float,
              width_s: float = 10.0) -> list[list[float]]:
-    """[[seconds from origin (bucket middle), tokens/s]] per `width_s` bucket."""
+    """[[seconds from origin (bucket middle), tokens/s]] per `width_s` bucket (at least one,
+    the last full one's end at most; a window shorter than a bucket gives its own rate)."""
     inside = steps.filter((pl.col("ts_s") >= origin_s) & (pl.col("ts_s") < end_s))
     if not inside.height:
         return []
     buckets = (inside.with_columns(((pl.col("ts_s") - origin_s) // width_s).cast(pl.Int64)
                                    .alias("bucket"))
                .group_by("bucket").agg(pl.col("tokens").sum()).sort("bucket"))
-    full = max(int((end_s - origin_s) // width_s), 1)  # a partial last bucket is left out
+    full = int((end_s - origin_s) // width_s)  # a partial last bucket is left out
+    if full == 0:
+        seconds = max(end_s - origin_s, 1e-9)
+        return [[round(seconds / 2, 1), round(int(inside["tokens"].sum()) / seconds, 2)]]
     by_bucket = dict(zip(buckets["bucket"], buckets["tokens"], strict=True))
     return [[round((b + 0.5) * width_s, 1), round(by_bucket.get(b, 0) / width_s, 2)]
             for b in range(full)]

@@ -3,10 +3,10 @@
 Scores are output tokens/s. Per phase, an arm's score is its telemetry rate over the
 phase's measured window (after the lead-in: the first minute for `tabletune`, a short
 warm-up for arms whose table never changes; before the drain), the median over repeats;
-vLLM's client result of the median repeat (by `output_throughput`) is the arm's `phases`
-entry. Over the whole run, an arm's rate is the same work at its per-phase rates: the
-tokens of every phase (the `tabletune` arm's counts) over the time they take at those
-rates, so phases of another length weigh the same in every arm.
+vLLM's client result of the median repeat (by `output_throughput`; of two, the slower) is
+the arm's `phases` entry. Over the whole run, an arm's rate is the same work at its
+per-phase rates: the tokens of every phase (the `tabletune` arm's counts) over the time they
+take at those rates, so phases of another length weigh the same in every arm.
 """
 
 from __future__ import annotations

@@ -51,16 +51,20 @@ class RunningBatch:
 
     def remove(self, done: np.ndarray) -> None:
         """Drop the rows where `done` (length n) is True, keeping the others' order."""
+        self.remove_rows(np.flatnonzero(done))
+
+    def remove_rows(self, rows: np.ndarray) -> None:
+        """Drop rows `rows` (ascending, distinct, below n), keeping the others' order."""
         n = self.n
-        rows = np.flatnonzero(done)
         if len(rows) == 1:  # the common case: shift the tail left by one row
             row = int(rows[0])
             self.ints[:, row:n - 1] = self.ints[:, row + 1:n]
             self.floats[:, row:n - 1] = self.floats[:, row + 1:n]
             self.n = n - 1
             return
-        keep = ~done
-        m = int(np.count_nonzero(keep))
+        keep = np.ones(n, dtype=bool)
+        keep[rows] = False
+        m = n - len(rows)
         self.ints[:, :m] = self.ints[:, :n][:, keep]
         self.floats[:, :m] = self.floats[:, :n][:, keep]
         self.n = m

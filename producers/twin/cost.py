@@ -13,6 +13,7 @@ numpy arrays alike, so the static experiment can evaluate whole batches at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,3 +88,27 @@ class CostModel:
         verify = self.verify_s(kv_tokens, batched_tokens)
         draft = self.draft_s(verify, kv_tokens, k_next) if k_next > 0 else 0.0
         return float(verify + draft + self.step_overhead)
+
+    def step_fn(self) -> Callable[[int, int, int], float]:
+        """`step_s` for integers, coefficients bound (the twin calls it every step): the
+        same operations in the same order, so the same floats."""
+        target_kv, target_batched, target_fixed = (self.target_kv, self.target_batched,
+                                                   self.target_fixed)
+        draft_kv, draft_per_token, draft_fixed = (self.draft_kv, self.draft_per_token,
+                                                  self.draft_fixed)
+        ngram, ngram_fraction = self.method == "ngram", self.ngram_fraction
+        knee, overhead = self.knee_tokens, self.step_overhead
+
+        def step_s(kv_tokens: int, batched_tokens: int, k_next: int) -> float:
+            if knee:
+                batched_tokens = max(0, batched_tokens - knee)
+            verify = target_kv * kv_tokens + target_batched * batched_tokens + target_fixed
+            if k_next <= 0:
+                draft = 0.0
+            elif ngram:
+                draft = ngram_fraction * verify
+            else:
+                draft = draft_kv * kv_tokens + draft_per_token * (k_next + 1) + draft_fixed
+            return verify + draft + overhead
+
+        return step_s

@@ -104,6 +104,7 @@ class TwinEngine:
         self.drain = drain
         self.method = scenario.drafter.method
         self.cost = CostModel.from_config(scenario.cost, self.method)
+        self._step_s = self.cost.step_fn()
         self.noise = scenario.cost.noise
         self.max_batched_tokens = limits.max_num_batched_tokens
         pool_rng, traffic_rng, self._noise_rng, self._match_rng, self._abort_rng = (
@@ -123,7 +124,7 @@ class TwinEngine:
         self._last_k_next = 0
         self._next_request_id = 0
         self._last_step_start_s: float | None = None
-        self._noise = np.ones(0)
+        self._noise: list[float] = []
         self._noise_at = 0
         self._match_prob = scenario.drafter.ngram_match_prob if self.method == "ngram" else 1.0
         self._next_at: dict[int, np.ndarray] = {}
@@ -531,9 +532,8 @@ class TwinEngine:
             if n_finished:
                 for request_id in finishing:
                     del tracks[request_id]
-                gone = np.zeros(b.n, dtype=bool)  # both in admission order
-                gone[np.searchsorted(b.request_id[:b.n], finishing + at_once)] = True
-                self._finish(gone, t_end)
+                # rows in admission order, which is request id order
+                self._finish_rows(b.request_id[:b.n].searchsorted(finishing + at_once), t_end)
             t = self.clock_s = t_end
             self.steps += 1
             self._last_step_start_s = previous
@@ -729,16 +729,16 @@ class TwinEngine:
         return at_least[2:k + 2]
 
     def _latency(self, kv: int, batched: int, k_next: int) -> float:
-        base = self.cost.step_s(kv, batched, k_next)
+        base = self._step_s(kv, batched, k_next)
         if not self.noise:
             return base
         if self._noise_at == len(self._noise):
             draws = 1.0 + self.noise * self._noise_rng.standard_normal(_NOISE_BLOCK)
-            self._noise = np.maximum(draws, 0.05)
+            self._noise = np.maximum(draws, 0.05).tolist()
             self._noise_at = 0
         factor = self._noise[self._noise_at]
         self._noise_at += 1
-        return float(base * factor)
+        return base * factor
 
     def _wait_for_sink(self, recorder: StepRecorder) -> None:
         """Virtual time can outrun any sink: hand over the backlog before the recorder would
@@ -747,9 +747,11 @@ class TwinEngine:
             recorder.flush(timeout_s=30.0)
 
     def _finish(self, finished: np.ndarray, t_end: float) -> None:
+        self._finish_rows(np.flatnonzero(finished), t_end)
+
+    def _finish_rows(self, rows: np.ndarray, t_end: float) -> None:
         b = self.batch
-        n = b.n
-        ints, floats = b.ints[:, :n][:, finished], b.floats[:, :n][:, finished]
+        ints, floats = b.ints[:, rows], b.floats[:, rows]
         self.log.add_finished(floats[ARRIVAL], floats[FIRST_TOKEN], t_end, ints[OUTPUT],
                               ints[REQUEST_ID], ints[POOL_INDEX], ints[PHASE])
-        b.remove(finished)
+        b.remove_rows(rows)

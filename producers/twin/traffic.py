@@ -37,10 +37,13 @@ class Traffic:
         the traffic)."""
         self.end_s = end_s
         self.starts = [0.0, *accumulate(p.duration_s for p in phases)][:-1]
+        self._concurrency = [p.concurrency for p in phases]
         self.next_open_s = self._next_open_after(0.0)
 
     def phase_index(self, t_s: float) -> int:
         """Phase in effect at `t_s`; the last phase lasts until the run ends."""
+        if len(self.starts) == 1:
+            return 0
         return max(0, min(bisect.bisect_right(self.starts, t_s) - 1, len(self.phases) - 1))
 
     def phase_end_s(self, index: int) -> float:
@@ -56,8 +59,8 @@ class Traffic:
             out.append(self._draw(arrival_s, self.phase_index(arrival_s)))
             self.next_open_s = self._next_open_after(arrival_s)
         index = self.phase_index(t_s)
-        concurrency = self.phases[index].concurrency
-        if concurrency is not None:
+        concurrency = self._concurrency[index]
+        if concurrency is not None and concurrency - in_system - len(out) > 0:
             out.extend(self._draw(t_s, index) for _ in range(concurrency - in_system - len(out)))
         return out
 

@@ -100,7 +100,8 @@ def parametric_pool(acceptance: tuple[float, ...], *, prompt_len: float, output_
     positions = max(max_k, 1)
     rates = np.array([acceptance[min(i, len(acceptance) - 1)] for i in range(positions)])
     accepted = rng.random((total, positions)) < rates
-    acc_flat = 1 + np.cumprod(accepted, axis=1).sum(axis=1)
+    # 1 + the leading accepted positions (the first rejected one's index, or all)
+    acc_flat = 1 + np.where(accepted.all(axis=1), positions, accepted.argmin(axis=1))
     if max_k == 0:
         acc_flat[:] = 1
     offsets = np.zeros(requests, dtype=np.int64)

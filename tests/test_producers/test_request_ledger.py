@@ -109,3 +109,18 @@ def test_several_steps_at_once_sum_as_one_observe_per_step(ring):
     rows = many.finish(ids)
     assert np.array_equal(one.finish(ids), rows) and rows.shape[0] > 0
     assert many.finish(ids).shape[0] == 0
+
+
+def test_steps_one_per_element_sum_as_one_observe_per_step():
+    one, flat = RequestLedger(max_positions=2), RequestLedger(max_positions=2)
+    steps = [([3, 4], [1, 1], [2, 0], [3, 1], [10, 20]), ([3, 4], [4, 2], [1, 2], [2, 3], [13, 21])]
+    for ids, generated, accepted, emitted, context in steps:
+        one.observe(ids, generated=generated, drafted=2, accepted=accepted, emitted=emitted,
+                    context=context)
+    flat.observe_flat([4, 3, 4, 3], generated=[2, 4, 1, 1], drafted=2, accepted=[2, 1, 0, 2],
+                      emitted=[3, 2, 1, 3], context=[21, 13, 20, 10])
+    assert np.array_equal(one.finish([3, 4]), flat.finish([3, 4]))
+    with pytest.raises(ValueError, match="share a slot"):
+        RequestLedger(max_positions=2, ring=4).observe_flat(
+            [1, 5], generated=[1, 1], drafted=1, accepted=[0, 0], emitted=[1, 1],
+            context=[1, 1])

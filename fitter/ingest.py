@@ -14,6 +14,10 @@ is read again, and a record at an offset such a file covers is skipped only if t
 holds the record itself (engine_id, step_seq, ts_ns). Offsets alone are not identities: a
 topic deleted and created again restarts at offset 0 under the same name, and its records
 are new; they are written (next to the old files, under a free name), never dropped.
+An engine's producer that sends a frame again after the broker wrote it (the acknowledgement
+lost in a broker restart: a new producer, so the broker's idempotence does not see the copy)
+puts a copy at a later offset: a record identical to one earlier in its window, or to one in
+the partition's last files before the window (RESENT_LOOKBACK_FILES), is dropped as a copy.
 Readers dedupe on (engine_id, step_seq) as a second defence.
 
 Rebalances: the consumer's rebalance callbacks only note that the assignment changed; the
@@ -22,6 +26,12 @@ owner reads it again from the committed offset, and the file check above keeps a
 was already renamed from being written twice) and rewinds its partitions to their committed
 offsets. A commit refused because the group is rebalancing (or has moved on without this
 member) is logged and treated the same way; ingest keeps running.
+
+Broker outages: what the loop asks the broker between polls (the commit, committed offsets,
+positions for the lag, the dead-letter flush) fails with kafka-python's retriable errors
+(KafkaConnectionError, KafkaTimeoutError) while no broker answers. A failed commit or
+dead-letter flush leaves the window uncommitted, read again like a refused commit; a failed
+rewind or lag check is tried again at the next poll. Ingest exits on no such error.
 
 Malformed frames go to the dead-letter topic with the reason and source offset; so do frames
 that would decompress past `max_frame_bytes` or hold more than `max_frame_records` (refused
@@ -62,6 +72,7 @@ from kafka.errors import (
     CommitFailedError,
     FencedInstanceIdError,
     IllegalGenerationError,
+    KafkaError,
     RebalanceInProgressError,
     UnknownMemberIdError,
 )
@@ -95,9 +106,20 @@ _REBALANCE_COMMIT_ERRORS = (CommitFailedError, RebalanceInProgressError,
 """A commit refused because the group moved on: the window's files stay, its offsets are
 read again by whoever owns the partition now."""
 
+
+
+def _transient(exc: BaseException) -> bool:
+    """A broker that does not answer (an outage, a restart): kafka-python's retriable errors
+    (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, ...)."""
+    return isinstance(exc, KafkaError) and bool(exc.retriable)
+
+
 _LOCKS = ".ingest-locks"
 _TEMP_PREFIX = ".tmp-"
 _IDENTITY_CACHE_FILES = 64
+RESENT_LOOKBACK_FILES = 8
+"""Files of a partition before a window searched for the originals of re-sent frames (an
+engine's sink re-sends within seconds: a timed-out frame goes first when the broker is back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +182,9 @@ class IngestCounters:
     """Dead-letter messages the broker did not acknowledge: their window was not committed
     (read again)."""
     skipped_duplicates: int = 0
+    resent_duplicates: int = 0
+    """Copies of records at later offsets (an engine re-sent a frame the broker had
+    written), dropped: the earlier offset's record is the one stored."""
     reset_records: int = 0
     """Records at offsets an existing file covers that the file does not hold (the topic's
     offsets restarted): written, not skipped."""
@@ -325,10 +350,17 @@ class Ingestor:
         """High watermark (known after a fetch) minus position, over assigned partitions."""
         self._lag_checked = time.monotonic()
         lag = 0
-        for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is not None:
-                lag += max(0, highwater - consumer.position(tp))
+        try:
+            for tp in consumer.assignment():
+                highwater = consumer.highwater(tp)
+                if highwater is not None:
+                    lag += max(0, highwater - consumer.position(tp))
+        except KafkaError as exc:
+            if not _transient(exc):
+                raise
+            log.info("lag not measured (%s: %s): the broker does not answer",
+                     type(exc).__name__, exc)
+            return
         self.counters.lag_records = lag
 
     # ---- rebalance ------------------------------------------------------------------------
@@ -355,8 +387,12 @@ class Ingestor:
                     consumer.seek_to_beginning(tp)
                 else:
                     consumer.seek(tp, committed)
-        except (*_REBALANCE_COMMIT_ERRORS, ValueError) as exc:
-            # the group moved again (ValueError: a partition is no longer assigned)
+        except (*_REBALANCE_COMMIT_ERRORS, ValueError, KafkaError) as exc:
+            # the group moved again (ValueError: a partition is no longer assigned), or the
+            # broker does not answer
+            if isinstance(exc, KafkaError) and not isinstance(
+                    exc, _REBALANCE_COMMIT_ERRORS) and not _transient(exc):
+                raise
             log.info("rebalance: rewind deferred to the next poll (%s)", exc)
             return
         self._rewind = False
@@ -383,8 +419,14 @@ class Ingestor:
         if now - self._caught_up_checked < 1.0:
             return False
         self._caught_up_checked = now
-        bounds = partition_bounds(self.settings, self.topic)
-        committed = {p: consumer.committed(TopicPartition(self.topic, p)) for p in bounds}
+        try:
+            bounds = partition_bounds(self.settings, self.topic)
+            committed = {p: consumer.committed(TopicPartition(self.topic, p)) for p in bounds}
+        except KafkaError as exc:
+            if not _transient(exc):
+                raise
+            log.info("caught-up check deferred (%s: %s)", type(exc).__name__, exc)
+            return False
         unread: dict[int, int] = {}
         details: list[str] = []
         for partition, (begin, end) in sorted(bounds.items()):
@@ -500,7 +542,7 @@ class Ingestor:
         """After a flush: True when every dead-letter message sent since the last check was
         acknowledged. A failed one keeps the window uncommitted: it is read again."""
         sent, self._dlq_sent = self._dlq_sent, []
-        failed = [future for future in sent if future.failed()]
+        failed = [future for future in sent if not future.succeeded()]  # or still pending
         if not failed:
             return True
         self.counters.dlq_failures += len(failed)
@@ -530,7 +572,12 @@ class Ingestor:
             if records.num_rows:
                 self._write_groups(partition, pl.from_arrow(records))
         if self._dlq is not None:
-            self._dlq.flush(timeout=30)
+            try:
+                self._dlq.flush(timeout=30)
+            except KafkaError as exc:  # pending sends are counted as failed below
+                if not _transient(exc):
+                    raise
+                log.warning("dead-letter flush failed (%s: %s)", type(exc).__name__, exc)
             if not self._dlq_delivered():
                 self._rewind = True
                 return False
@@ -542,11 +589,13 @@ class Ingestor:
             return False
         try:
             self._consumer.commit({tp: OffsetAndMetadata(window.last_offset + 1, "", -1)})
-        except _REBALANCE_COMMIT_ERRORS as exc:
+        except (*_REBALANCE_COMMIT_ERRORS, KafkaError) as exc:
+            if not isinstance(exc, _REBALANCE_COMMIT_ERRORS) and not _transient(exc):
+                raise
             self.counters.commit_failures += 1
             self._rewind = True
             log.warning("commit of partition %d offsets %d-%d refused (%s: %s): its files "
-                        "stay, the offsets are read again after the rebalance", partition,
+                        "stay, the offsets are read again", partition,
                         window.first_offset, window.last_offset, type(exc).__name__, exc)
             return False
         self.counters.windows += 1
@@ -564,6 +613,7 @@ class Ingestor:
             directory = hive_path(model, drafter, hardware, date, int(hour))
             folder = self.config.out_dir / directory
             group = self._skip_stored(partition, folder, group.drop(["_date", "_hour"]))
+            group = self._drop_resent(partition, folder, group)
             if group.height == 0:
                 continue
             offsets = group.get_column(SOURCE_OFFSET)
@@ -620,6 +670,30 @@ class Ingestor:
             self.counters.skipped_duplicates += skipped
             group = group.filter(pl.Series(~skip))
         return group
+
+    def _drop_resent(self, partition: int, folder: Path, group: pl.DataFrame
+                     ) -> pl.DataFrame:
+        """Drop copies of records at later offsets: a second copy within `group`, and
+        records the partition's last files before `group` hold (same engine_id, step_seq and
+        ts_ns: an engine's re-sent frame)."""
+        if group.height == 0:
+            return group
+        group = group.sort(SOURCE_OFFSET, maintain_order=True)  # the first copy is kept
+        unique = group.unique(subset=list(RECORD_IDENTITY), keep="first", maintain_order=True)
+        first = int(group.get_column(SOURCE_OFFSET).min())
+        before = [folder / name for _, last, name in
+                  sorted((f for f in offset_files(folder, self.topic, partition)
+                          if f[1] < first), key=lambda f: f[1])[-RESENT_LOOKBACK_FILES:]]
+        if before:
+            stored = pl.concat([self._stored_identities(path) for path in before])
+            unique = unique.join(stored, on=list(RECORD_IDENTITY), how="anti")
+        copies = group.height - unique.height
+        if copies:
+            self.counters.resent_duplicates += copies
+            log.warning("partition %d: %d records are copies of records at earlier offsets "
+                        "(an engine re-sent frames the broker had written): dropped",
+                        partition, copies)
+        return unique
 
     def _stored_identities(self, path: Path) -> pl.DataFrame:
         cached = self._identities.get(path)

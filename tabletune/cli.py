@@ -326,6 +326,7 @@ def run_ingest(args: argparse.Namespace) -> int:
                       "windows": counters.windows, "dead_lettered": counters.dlq,
                       "dead_letter_reasons": counters.dlq_reasons,
                       "skipped_duplicates": counters.skipped_duplicates,
+                      "resent_duplicates": counters.resent_duplicates,
                       "reset_records": counters.reset_records,
                       "abandoned_windows": counters.abandoned_windows,
                       "commit_failures": counters.commit_failures,

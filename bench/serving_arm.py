@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.serving_plan import Phase, Slot, arm_table, client_argv
-from bench.serving_server import REPO, ModelSetup, Server, engine_environment
+from bench.serving_server import HEALTH_TIMEOUT_S, REPO, ModelSetup, Server, engine_environment
 from controller.table_log import force, publish, read_topic
 from schemas import DraftTable, TableKey
 from schemas.control import MAX_FORCE_S
@@ -119,7 +119,7 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
             run.control_dir = run_dir / "control"
             control = ControlProcess({"TABLETUNE_BOOTSTRAP": ctx.bootstrap}, run.control_dir,
                                      ["--key", str(key), "--lookback-s", "0",
-                                      *ctx.control_args])
+                                      *ctx.control_args], ready_timeout_s=HEALTH_TIMEOUT_S)
             control.__enter__()
         run.server_start_s = server.wait_healthy()
         client.wait_ready()

@@ -32,8 +32,11 @@ class ControlProcess:
     """Runs `tabletune --verbose control --decisions FILE` with `env` until the block ends."""
 
     def __init__(self, env: Mapping[str, str], work_dir: Path,
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), ready_timeout_s: float = READY_TIMEOUT_S) -> None:
         self.env = {**os.environ, **env}
+        self.ready_timeout_s = ready_timeout_s
+        """Longer where it starts beside a vLLM server's start-up (three processes importing
+        torch on the same cores)."""
         self.log_path = work_dir / "control.log"
         self.decisions_path = work_dir / "decisions.jsonl"
         self.summary_path = work_dir / "control-summary.json"
@@ -48,7 +51,7 @@ class ControlProcess:
                 [sys.executable, "-m", "tabletune.cli", "--verbose", "control",
                  "--decisions", str(self.decisions_path), *self.args],
                 env=self.env, stdout=summary, stderr=log)
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         while "ready:" not in self.log_path.read_text():
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -1,10 +1,11 @@
-"""Per-step telemetry: the engine thread appends to a preallocated columnar buffer, a
-background thread turns full or aged buffers into Arrow tables for the sink.
+"""Per-step telemetry: the engine thread appends to a buffer of rows, a background thread
+turns full or aged buffers into Arrow tables for the sink.
 
-The engine's hot path (`record_step`) writes about twenty scalars into numpy arrays under an
-uncontended lock and returns; it never encodes, allocates per step or does I/O. Buffers are
-recycled through a small pool. When the sink falls behind, the oldest full buffers are dropped
-and counted rather than letting memory grow: telemetry must never hurt the engine.
+The engine's hot path (`record_step`) appends one tuple of about twenty scalars to the open
+buffer under an uncontended lock and returns; it never converts, encodes or does I/O (the
+background thread turns a frame's rows into columns at once). Buffers are recycled through a
+small pool. When the sink falls behind, the oldest full buffers are dropped and counted
+rather than letting memory grow: telemetry must never hurt the engine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,46 +65,55 @@ class RecorderConfig:
             raise ValueError(f"frame_interval_s={self.frame_interval_s} must be > 0")
 
 
-_INT_COLUMNS = {
-    "ts_ns": np.int64, "step_seq": np.int64, "batch_size": np.int32,
-    "num_decode_reqs": np.int32, "num_prefill_reqs": np.int32, "num_prefill_tokens": np.int32,
-    "k": np.int16, "k_next": np.int16, "table_version": np.int64, "num_drafts": np.int32,
-    "num_draft_tokens": np.int32, "num_accepted_tokens": np.int32, "kv_tokens": np.int64,
-    "ctx_len_max": np.int32,
-}
-_FLOAT_COLUMNS = ("ctx_len_mean", "step_latency_s", "inter_step_s")
+_ROW_COLUMNS = (
+    ("ts_ns", np.int64), ("step_seq", np.int64), ("batch_size", np.int32),
+    ("num_decode_reqs", np.int32), ("num_prefill_reqs", np.int32),
+    ("num_prefill_tokens", np.int32), ("k", np.int16), ("k_next", np.int16),
+    ("table_version", np.int64), ("num_drafts", np.int32), ("num_draft_tokens", np.int32),
+    ("num_accepted_tokens", np.int32), ("kv_tokens", np.int64), ("ctx_len_mean", np.float64),
+    ("ctx_len_max", np.int32), ("step_latency_s", np.float64), ("inter_step_s", np.float64),
+    ("forced", np.bool_),
+)
+"""The scalars of a step's row in `_RowBuffer.rows`, in order, and their column types."""
 
 
-class _ColumnBuffer:
-    """One frame's worth of steps, column by column."""
+class _RowBuffer:
+    """One frame's worth of steps, row by row."""
 
     def __init__(self, capacity: int, max_positions: int) -> None:
         self.capacity = capacity
-        self.size = 0
+        self.max_positions = max(max_positions, 1)
         self.opened_at = 0.0
-        self.columns: dict[str, np.ndarray] = {
-            name: np.zeros(capacity, dtype=dtype) for name, dtype in _INT_COLUMNS.items()
-        }
-        for name in _FLOAT_COLUMNS:
-            self.columns[name] = np.zeros(capacity, dtype=np.float64)
-        self.columns["forced"] = np.zeros(capacity, dtype=np.bool_)
-        self.accepted = np.zeros((capacity, max(max_positions, 1)), dtype=np.int32)
-        self.accepted_len = np.zeros(capacity, dtype=np.int32)
-        self.finished: list[np.ndarray | tuple[()]] = [()] * capacity
+        self.rows: list[tuple[Any, ...]] = []
+        """Per step, its scalars (`_ROW_COLUMNS`)."""
+        self.accepted: list[Sequence[int]] = []
+        """Per step, accepted_per_pos (a reference)."""
+        self.finished: list[np.ndarray | tuple[()]] = []
         """Per step, `RequestLedger.finish` rows (or nothing)."""
 
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.accepted.clear()
+        self.finished.clear()
+
     def to_table(self, identity: EngineIdentity) -> pa.Table:
-        n = self.size
-        # Copy: pyarrow wraps numpy memory without copying, and this buffer is reused for
-        # the next frame as soon as the sink returns; a sink may keep the table.
-        cols = {name: pa.array(values[:n].copy()) for name, values in self.columns.items()}
-        lengths = self.accepted_len[:n]
+        n = len(self.rows)
+        scalars = zip(*self.rows, strict=True) if n else ((),) * len(_ROW_COLUMNS)
+        cols = {name: pa.array(np.array(values, dtype=dtype))
+                for (name, dtype), values in zip(_ROW_COLUMNS, scalars, strict=True)}
+        width = self.max_positions
+        lengths = np.fromiter((min(len(a), width) for a in self.accepted), dtype=np.int32,
+                              count=n)
         offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        mask = np.arange(self.accepted.shape[1])[None, :] < lengths[:, None]
-        values = self.accepted[:n][mask]
+        values = np.fromiter(chain.from_iterable(a[:width] for a in self.accepted),
+                             dtype=np.int32, count=int(offsets[-1]))
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-        cols["finished_requests"] = to_arrow(self.finished[:n], self.accepted.shape[1])
+        cols["finished_requests"] = to_arrow(self.finished, width)
         cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
         for name in ("engine_id", "model", "drafter", "hardware"):
             cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
@@ -123,8 +134,8 @@ class StepRecorder:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._drain_lock = threading.Lock()
-        self._spare: list[_ColumnBuffer] = [self._new_buffer() for _ in range(2)]
-        self._full: deque[_ColumnBuffer] = deque()
+        self._spare: list[_RowBuffer] = [self._new_buffer() for _ in range(2)]
+        self._full: deque[_RowBuffer] = deque()
         self._deferred: deque[tuple[StepBuilder, Any]] = deque()
         self._buffer = self._new_buffer()
         self._next_seq = first_step_seq
@@ -147,45 +158,28 @@ class StepRecorder:
     ) -> int:
         """Append one step; returns its step_seq. Never blocks on I/O, never raises on data.
 
-        `finished_requests`: the rows `producers.request_ledger.RequestLedger.finish` gave
-        for the requests that left the batch (a ledger of this recorder's `max_k`
-        positions), kept by reference."""
+        `accepted_per_pos` (at most `max_k` positions are kept) and `finished_requests`
+        (the rows `producers.request_ledger.RequestLedger.finish` gave for the requests that
+        left the batch, from a ledger of this recorder's `max_k` positions) are kept by
+        reference until the frame is built: pass objects that are not changed afterwards."""
         if self._thread is None:
             self._start_thread()
         with self._lock:
             buf = self._buffer
-            i = buf.size
-            if i == 0:
+            rows = buf.rows
+            if not rows:
                 buf.opened_at = time.monotonic()
             seq = self._next_seq
             self._next_seq = seq + 1
-            c = buf.columns
-            c["ts_ns"][i] = time.time_ns() if ts_ns is None else ts_ns
-            c["step_seq"][i] = seq
-            c["batch_size"][i] = batch_size
-            c["num_decode_reqs"][i] = num_decode_reqs
-            c["num_prefill_reqs"][i] = num_prefill_reqs
-            c["num_prefill_tokens"][i] = num_prefill_tokens
-            c["k"][i] = k
-            c["k_next"][i] = k_next
-            c["table_version"][i] = table_version
-            c["num_drafts"][i] = num_drafts
-            c["num_draft_tokens"][i] = num_draft_tokens
-            c["num_accepted_tokens"][i] = num_accepted_tokens
-            c["kv_tokens"][i] = kv_tokens
-            c["ctx_len_mean"][i] = ctx_len_mean
-            c["ctx_len_max"][i] = ctx_len_max
-            c["step_latency_s"][i] = step_latency_s
-            c["inter_step_s"][i] = inter_step_s
-            c["forced"][i] = forced
-            positions = min(len(accepted_per_pos), buf.accepted.shape[1])
-            if positions:
-                buf.accepted[i, :positions] = accepted_per_pos[:positions]
-            buf.accepted_len[i] = positions
-            buf.finished[i] = finished_requests
-            buf.size = i + 1
+            rows.append((
+                time.time_ns() if ts_ns is None else ts_ns, seq, batch_size, num_decode_reqs,
+                num_prefill_reqs, num_prefill_tokens, k, k_next, table_version, num_drafts,
+                num_draft_tokens, num_accepted_tokens, kv_tokens, ctx_len_mean, ctx_len_max,
+                step_latency_s, inter_step_s, forced))
+            buf.accepted.append(accepted_per_pos)
+            buf.finished.append(finished_requests)
             self.records_total += 1
-            if buf.size == buf.capacity:
+            if len(rows) == buf.capacity:
                 self._rotate_locked()
         return seq
 
@@ -209,7 +203,7 @@ class StepRecorder:
         if len(self._full) > self.config.max_pending_buffers:
             dropped = self._full.popleft()
             self.records_dropped += dropped.size
-            dropped.size = 0
+            dropped.clear()
             self._spare.append(dropped)
         self._buffer = self._spare.pop() if self._spare else self._new_buffer()
         self._wake.set()
@@ -266,7 +260,7 @@ class StepRecorder:
                 self.sink_errors += 1
                 self.records_dropped += buf.size
                 log.exception("telemetry sink failed; %d records dropped", buf.size)
-            buf.size = 0
+            buf.clear()
             with self._lock:
                 if len(self._spare) < 4:
                     self._spare.append(buf)
@@ -277,8 +271,8 @@ class StepRecorder:
             self._last_log = time.monotonic()
             log.info("telemetry %s", self.counters())
 
-    def _new_buffer(self) -> _ColumnBuffer:
-        return _ColumnBuffer(self.config.frame_records, self.max_k)
+    def _new_buffer(self) -> _RowBuffer:
+        return _RowBuffer(self.config.frame_records, self.max_k)
 
     # ---- any thread ----------------------------------------------------------------------
     def counters(self) -> dict[str, int]:

@@ -135,8 +135,17 @@ def _vllm_doc(arg: str | None) -> Policy:
 
 
 register_policy("fixed", _fixed, usage="fixed:K")
+def _tabletune(arg: str | None) -> Policy:
+    # imported when used: the control service's stack is this policy's alone (a quarter of
+    # `tabletune twin run`'s start-up otherwise)
+    from producers.twin.tabletune_policy import tabletune_policy
+
+    return tabletune_policy(arg)
+
+
 register_policy("table", _table, usage="table:FILE")
 register_policy("vllm-doc", _vllm_doc)
 
 import producers.twin.baselines  # noqa: E402,F401  (registers dsd-goodput, ema-adaptive)
-import producers.twin.tabletune_policy  # noqa: E402,F401  (registers `tabletune`)
+
+register_policy("tabletune", _tabletune, usage="tabletune[:explore=S,refit=S,threshold=F]")

@@ -32,7 +32,7 @@ from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.identity import EngineIdentity
 from producers.recorder import StepRecorder
-from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError, register_policy
+from producers.twin.policies import VLLM_DOC_TABLE, Policy, PolicyError
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 
 if TYPE_CHECKING:
@@ -192,8 +192,9 @@ class TabletunePolicy(Policy):
                              provenance={"planted": True})
 
 
-def _factory(arg: str | None) -> Policy:
-    """`tabletune[:explore=SHARE,refit=SECONDS,threshold=FRACTION,reprofile=0|1]`."""
+def tabletune_policy(arg: str | None) -> Policy:
+    """`tabletune[:explore=SHARE,refit=SECONDS,threshold=FRACTION,reprofile=0|1]`
+    (`make_policy("tabletune...")` calls this)."""
     options: dict[str, float] = {}
     for part in (arg or "").split(","):
         if not part:
@@ -213,6 +214,3 @@ def _factory(arg: str | None) -> Policy:
         reprofile_on_stale=bool(options.get("reprofile", 1.0)),
     )
     return TabletunePolicy(config)
-
-
-register_policy("tabletune", _factory, usage="tabletune[:explore=S,refit=S,threshold=F]")

@@ -28,10 +28,11 @@ offsets. A commit refused because the group is rebalancing (or has moved on with
 member) is logged and treated the same way; ingest keeps running.
 
 Broker outages: what the loop asks the broker between polls (the commit, committed offsets,
-positions for the lag, the dead-letter flush) fails with kafka-python's retriable errors
-(KafkaConnectionError, KafkaTimeoutError) while no broker answers. A failed commit or
-dead-letter flush leaves the window uncommitted, read again like a refused commit; a failed
-rewind or lag check is tried again at the next poll. Ingest exits on no such error.
+positions for the lag, the dead-letter flush), and kafka-python 3.0's poll itself, fail
+with its retriable errors (KafkaConnectionError, KafkaTimeoutError) while no broker answers.
+A failed poll, commit or dead-letter flush leaves the open windows uncommitted, read again
+like a refused commit; a failed rewind or lag check is tried again at the next poll. Ingest
+exits on no such error.
 
 Malformed frames go to the dead-letter topic with the reason and source offset; so do frames
 that would decompress past `max_frame_bytes` or hold more than `max_frame_records` (refused
@@ -309,7 +310,19 @@ class Ingestor:
             started = last_message = time.monotonic()
             while not self._stop:
                 self._seen_changes = self._changes.changes
-                batches = consumer.poll(timeout_ms=200)
+                try:
+                    batches = consumer.poll(timeout_ms=200)
+                except KafkaError as exc:
+                    if not _transient(exc):
+                        raise
+                    # kafka-python 3.0's poll raises the coordinator lookup's connection
+                    # error while no broker answers; the group may have moved meanwhile
+                    self._rewind = True
+                    last_message = time.monotonic()
+                    log.warning("poll failed (%s: %s): the broker does not answer; open "
+                                "windows are read again", type(exc).__name__, exc)
+                    time.sleep(0.5)
+                    continue
                 if self._changes.joining:  # a rebalance: poll only, until assigned
                     self._drop_windows()
                     self._rewind = True

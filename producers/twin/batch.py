@@ -11,8 +11,30 @@ import numpy as np
 
 # Integer columns (rows of `ints`).
 PROMPT, COMPUTED, GENERATED, OUTPUT, ACC_OFFSET, K_PENDING, REQUEST_ID, PHASE, POOL_INDEX = range(9)
+INT_COLUMNS = 9
 # Float columns (rows of `floats`), virtual seconds.
 ARRIVAL, FIRST_TOKEN = range(2)
+
+
+class Row:
+    """One request's columns as Python values (the twin's planned runs keep them so)."""
+
+    __slots__ = ("prompt", "computed", "generated", "output", "acc_offset", "k_pending",
+                 "request_id", "phase", "pool_index", "arrival", "first_token")
+
+    def __init__(self, prompt: int, computed: int, generated: int, output: int,
+                 acc_offset: int, k_pending: int, request_id: int, phase: int,
+                 pool_index: int, arrival: float, first_token: float) -> None:
+        self.prompt, self.computed, self.generated, self.output = (prompt, computed,
+                                                                   generated, output)
+        self.acc_offset, self.k_pending, self.request_id = acc_offset, k_pending, request_id
+        self.phase, self.pool_index = phase, pool_index
+        self.arrival, self.first_token = arrival, first_token
+
+    def ints(self) -> tuple[int, ...]:
+        """The integer columns, in `ints` row order."""
+        return (self.prompt, self.computed, self.generated, self.output, self.acc_offset,
+                self.k_pending, self.request_id, self.phase, self.pool_index)
 
 
 class RunningBatch:

@@ -20,6 +20,7 @@ staged tables, latency and noise, telemetry, policy), stopping where the batch w
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ from producers.request_ledger import RequestLedger
 from producers.twin.batch import (
     ARRIVAL,
     FIRST_TOKEN,
+    INT_COLUMNS,
     OUTPUT,
     PHASE,
     POOL_INDEX,
     REQUEST_ID,
+    Row,
     RunningBatch,
 )
 from producers.twin.config import Scenario, ScenarioError
@@ -112,6 +115,9 @@ class TwinEngine:
         self.pools = [self._pool(i, pool_rng) for i in range(len(scenario.phases))]
         bases = np.cumsum([0] + [len(p.acc_len) for p in self.pools])
         self.pool_base = [int(b) for b in bases[:-1]]
+        self._pool_columns = [(p.prompt_len.tolist(), p.output_len.tolist(),
+                               p.acc_offset.tolist()) for p in self.pools]
+        """Per phase, its pool's prompt, output and acc_len offset lists (planned runs)."""
         self.acc_len = np.concatenate([p.acc_len for p in self.pools])
         self.end_s = duration_s if duration_s is not None else scenario.duration_s
         self.traffic = Traffic(scenario.phases, self.pools, traffic_rng, end_s=self.end_s)
@@ -434,10 +440,12 @@ class TwinEngine:
         """Steps from `t`, whose start `run` took, while every request drafts one K and stays
         on its path for that K (`producers.twin.paths`): a batch's decode sums per step are
         its requests' path rows added up, once per request for the whole run, so requests
-        may finish and arrivals be admitted on the way (whole prompts only). Stops before a
-        step whose start brings a new table or a chunked prompt (returns True: `run` hands
-        that step to `_step`), after a step that chose another K, at the end of the run or
-        after `_PLAN_STEPS`. Every step, record and draw is what `_step` would give."""
+        may finish and arrivals be admitted on the way (whole prompts only); the running
+        requests are kept in Python until the run ends and `batch` is written back. Stops
+        before a step whose start brings a new table or a chunked prompt (returns True:
+        `run` hands that step to `_step`), after a step that chose another K, at the end of
+        the run or after `_PLAN_STEPS`. Every step, record and draw is what `_step` would
+        give."""
         switch = self.switch
         switch.apply_staged()
         b = self.batch
@@ -461,25 +469,32 @@ class TwinEngine:
         plan = np.zeros((_PLAN_STEPS, PER_POS + k), dtype=np.int64)
         ends: dict[int, list[int]] = {}
         tracks: dict[int, tuple[int, int, bool, int]] = {}
+        # the running requests in admission order
+        running = {request_id: Row(*ints, *floats) for request_id, ints, floats in zip(
+            b.request_id[:n].tolist(), b.ints[:INT_COLUMNS, :n].T.tolist(),
+            b.floats[:, :n].T.tolist(), strict=True)}
         requests = paths.first_request[b.phase[:n]] + b.pool_index[:n]
         for request_id, row, request, fresh in zip(
-                b.request_id[:n].tolist(), rows.tolist(), requests.tolist(),
-                (b.generated[:n] == 1).tolist(), strict=True):
+                running, rows.tolist(), requests.tolist(), (b.generated[:n] == 1).tolist(),
+                strict=True):
             self._track(plan, ends, tracks, paths, request_id, request, row, 0, fresh)
         recorder = self.recorder
         traffic = self.traffic
         waiting = self.waiting
         version = switch.version
         previous = self._last_step_start_s
+        finished: list[tuple[float, float, float, int, int, int, int]] = []
+        log = ([], [], [], [], [], [])  # the steps' RunLog columns
+        starts, latencies, batch_sizes, k_nexts, emitted, phases = (c.append for c in log)
         taken = 0
         started = False
         for i in range(_PLAN_STEPS):
             if i:  # the start of the step, as `run` takes it
-                if t >= self.end_s and (not self.drain or (b.n == 0 and not waiting)):
+                if t >= self.end_s and (not self.drain or (not running and not waiting)):
                     break
-                if b.n == 0 and not waiting:
+                if not running and not waiting:
                     break
-                for arrival in traffic.arrivals(t, b.n + len(waiting)):
+                for arrival in traffic.arrivals(t, len(running) + len(waiting)):
                     waiting.append(arrival)
                 if switch.apply_staged() is not None:
                     started = True
@@ -487,27 +502,29 @@ class TwinEngine:
             sums = plan[i].tolist()
             d = sums[DECODING]  # every running request decodes
             k_step = k if d else 0
-            admitted: list[tuple[int, int, int, int, int]] = []
+            admitted: list[tuple[int, Row]] = []
             prefill_tokens = 0
             if waiting:
-                whole = self._admit_whole(self.max_batched_tokens - k_step * d - d, ring)
+                whole = self._admit_whole(running, self.max_batched_tokens - k_step * d - d,
+                                          ring)
                 if whole is None:
                     started = True
                     break
                 admitted = whole
-                prefill_tokens = sum(entry[1] for entry in admitted)
+                prefill_tokens = sum(request.prompt for _, request in admitted)
             batch_size = d + len(admitted)
             k_next = switch.k_for_step(batch_size)
             finishing = ends.pop(i, [])
-            at_once = [entry[0] for entry in admitted if entry[2] == 1]
+            at_once = [request_id for request_id, request in admitted if request.output == 1]
             n_finished = len(finishing) + len(at_once)
             drafting = k_next > 0 and batch_size > n_finished
             kv = sums[CONTEXT]
             latency = self._latency(kv, d + k_step * d + prefill_tokens,
                                     k_next if drafting else 0)
             t_end = t + latency
-            if admitted:
-                b.first_token[b.n - len(admitted):b.n] = t_end
+            for request_id, request in admitted:
+                request.first_token = t_end
+                running[request_id] = request
             phase = traffic.phase_index(t)
             inter_step = t - previous if previous is not None else 0.0
             previous = t
@@ -527,13 +544,20 @@ class TwinEngine:
                     finished_requests=leaving)
                 if self.steps % self._backlog_check_steps == 0:
                     self._wait_for_sink(recorder)
-            self.log.add_step(t, latency, batch_size, k_next, sums[EMITTED] + len(admitted),
-                              phase)
-            if n_finished:
+            starts(t)
+            latencies(latency)
+            batch_sizes(batch_size)
+            k_nexts(k_next)
+            emitted(sums[EMITTED] + len(admitted))
+            phases(phase)
+            if n_finished:  # in admission order, as `_finish` logs them
                 for request_id in finishing:
                     del tracks[request_id]
-                # rows in admission order, which is request id order
-                self._finish_rows(b.request_id[:b.n].searchsorted(finishing + at_once), t_end)
+                for request_id in finishing + at_once:
+                    request = running.pop(request_id)
+                    finished.append((request.arrival, request.first_token, t_end,
+                                     request.output, request_id, request.pool_index,
+                                     request.phase))
             t = self.clock_s = t_end
             self.steps += 1
             self._last_step_start_s = previous
@@ -541,12 +565,15 @@ class TwinEngine:
             taken = i + 1
             if k_next != k:  # the next step verifies other drafts: off these paths
                 break
-            for request_id, _, output, phase, index in admitted:
-                if output > 1:
-                    request = int(paths.first_request[phase]) + index
-                    self._track(plan, ends, tracks, paths, request_id, request,
-                                int(paths.start[request]), i + 1, True)
-        self._end_plan(paths, tracks, taken, ledger)
+            for request_id, request in admitted:
+                if request.output > 1:
+                    path = int(paths.first_request[request.phase]) + request.pool_index
+                    self._track(plan, ends, tracks, paths, request_id, path,
+                                int(paths.start[path]), i + 1, True)
+        self.log.add_step_columns(*log)
+        if finished:
+            self.log.add_finished_rows(finished)
+        self._end_plan(paths, tracks, running, taken, ledger)
         return started
 
     def _track(self, plan: np.ndarray, ends: dict[int, list[int]],
@@ -564,40 +591,35 @@ class TwinEngine:
             ends.setdefault(step + length - 1, []).append(request_id)
         tracks[request_id] = (row, step, fresh, request)
 
-    def _admit_whole(self, budget: int, ring: int
-                     ) -> list[tuple[int, int, int, int, int]] | None:
+    def _admit_whole(self, running: dict[int, Row], budget: int, ring: int
+                     ) -> list[tuple[int, Row]] | None:
         """Admit waiting requests as `_schedule_prefills` would, when every prompt admitted
         fits whole in this step's budget and the ledger's ring holds every running request
-        apart; None (admitting nobody) otherwise. Returns (request id, prompt, output,
-        phase, pool index) per request admitted."""
-        b = self.batch
+        apart; None (admitting nobody) otherwise. Returns (request id, request) per request
+        admitted, in order; a planned run adds them to `running` once their step's end is
+        known."""
+        free = self.batch.capacity - len(running)
         prompts = []
         for _, phase, index in self.waiting:
-            if len(prompts) >= b.free or budget <= 0:
+            if len(prompts) >= free or budget <= 0:
                 break
-            prompt = int(self.pools[phase].prompt_len[index])
+            prompt = self._pool_columns[phase][0][index]
             if prompt > budget:
                 return None  # chunked: the next steps prefill it
             prompts.append(prompt)
             budget -= prompt
         if ring and prompts:
-            oldest = int(b.request_id[0]) if b.n else self._next_request_id
+            oldest = next(iter(running)) if running else self._next_request_id
             if self._next_request_id + len(prompts) - 1 - oldest >= ring:
                 return None
         admitted = []
         for prompt in prompts:
             arrival_s, phase, index = self.waiting.popleft()
-            pool = self.pools[phase]
-            output = int(pool.output_len[index])
-            request_id = self._next_request_id
+            _, outputs, offsets = self._pool_columns[phase]
+            admitted.append((self._next_request_id, Row(
+                prompt, prompt, 1, outputs[index], self.pool_base[phase] + offsets[index],
+                0, self._next_request_id, phase, index, arrival_s, math.nan)))
             self._next_request_id += 1
-            row = b.n
-            b.add(prompt=prompt, output=output,
-                  acc_offset=self.pool_base[phase] + int(pool.acc_offset[index]),
-                  request_id=request_id, phase=phase, pool_index=index, arrival_s=arrival_s)
-            b.computed[row] = prompt
-            b.generated[row] = 1
-            admitted.append((request_id, prompt, output, phase, index))
         return admitted
 
     def _planned_leaving(self, paths: Paths, tracks: dict[int, tuple[int, int, bool, int]],
@@ -619,29 +641,36 @@ class TwinEngine:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _end_plan(self, paths: Paths, tracks: dict[int, tuple[int, int, bool, int]],
-                  taken: int, ledger: RequestLedger | None) -> None:
-        """The running requests' state after `taken` planned steps: tokens generated, drafts
-        pending, and their steps so far in the ledger."""
+                  running: dict[int, Row], taken: int, ledger: RequestLedger | None
+                  ) -> None:
+        """`batch` from the running requests after `taken` planned steps (tokens generated
+        along their paths, drafts pending), and their steps so far in the ledger."""
         if taken < _PLAN_SHORT:  # planning costs more than it saves here: not for a while
             self._plan_after = self.steps + _PLAN_BACKOFF
-        b = self.batch
-        n = b.n
-        rows, firsts, counts = [], [], []
-        for index, request_id in enumerate(b.request_id[:n].tolist()):
+        ids, firsts, counts = [], [], []
+        for request_id, request in running.items():
+            request.k_pending = self._last_k_next
             track = tracks.get(request_id)
             if track is not None and taken > track[1]:
-                rows.append(index)
+                ids.append(request_id)
                 firsts.append(track[0])
                 counts.append(taken - track[1])
-        if rows:
-            first = np.array(firsts)
-            steps = np.array(counts)
-            b.generated[np.array(rows)] = paths.generated[first + steps]
+        if ids:
+            first, steps = np.array(firsts), np.array(counts)
+            for request_id, generated in zip(ids, paths.generated[first + steps].tolist(),
+                                             strict=True):
+                running[request_id].generated = generated
             if ledger is not None:
                 ends = np.cumsum(steps)
                 flat = np.arange(ends[-1]) + np.repeat(first - (ends - steps), steps)
-                paths.observe(ledger, np.repeat(b.request_id[np.array(rows)], steps), flat)
-        b.k_pending[:n] = self._last_k_next
+                paths.observe(ledger, np.repeat(np.array(ids), steps), flat)
+        b = self.batch
+        b.n = n = len(running)
+        if n:
+            b.ints[:INT_COLUMNS, :n] = np.array(
+                [request.ints() for request in running.values()], dtype=np.int64).T
+            b.floats[:, :n] = np.array([(request.arrival, request.first_token)
+                                        for request in running.values()]).T
 
     def _make_paths(self, k: int) -> Paths:
         if len(self._paths) >= _PATHS_KEPT:

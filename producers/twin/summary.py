@@ -46,12 +46,31 @@ class RunLog:
         self.emitted.extend(emitted)
         self.phase.extend(phase)
 
+    def add_step_columns(self, start_s: list[float], latency_s: list[float],
+                         batch_size: list[int], k_next: list[int], emitted: list[int],
+                         phase: list[int]) -> None:
+        """Consecutive steps, column by column, as one `add_step` each."""
+        self.step_start_s.extend(start_s)
+        self.step_latency_s.extend(latency_s)
+        self.batch_size.extend(batch_size)
+        self.k_next.extend(k_next)
+        self.emitted.extend(emitted)
+        self.phase.extend(phase)
+
     def add_finished(self, arrival_s: np.ndarray, first_token_s: np.ndarray, finish_s: float,
                      output_tokens: np.ndarray, request_id: np.ndarray,
                      pool_index: np.ndarray, phase: np.ndarray) -> None:
         finish = np.full(len(arrival_s), finish_s)
         self._finished.append((arrival_s, first_token_s, finish, output_tokens, request_id,
                                pool_index, phase))
+
+    def add_finished_rows(self, rows: list[tuple[float, float, float, int, int, int, int]]
+                          ) -> None:
+        """Finished requests one tuple each, in `finished`'s column order, after those
+        added before."""
+        columns = tuple(zip(*rows, strict=True))
+        self._finished.append(tuple(np.array(column, dtype=np.int64 if i > 2 else np.float64)
+                                    for i, column in enumerate(columns)))
 
     def finished(self) -> dict[str, np.ndarray]:
         """Finished requests as columns (arrival_s, first_token_s, finish_s, output_tokens,

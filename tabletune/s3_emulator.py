@@ -13,7 +13,8 @@ The emulator keeps the objects in its memory and listens on loopback only.
         broker = EmbeddedBroker(storage=s3.storage_url, storage_env=s3.env)
 
 moto's server is found in TABLETUNE_MOTO_SERVER, on PATH, or in a virtual environment of its
-own under ~/.cache/tabletune/moto, which `ensure_moto_server()` makes with pip when missing.
+own under ~/.cache/tabletune/moto (its dependencies are not the project's): set that up once
+with the command the missing-server error prints. Nothing is installed at run time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -35,8 +35,9 @@ CACHE = Path.home() / ".cache" / "tabletune" / "moto"
 BUCKET = "tansu"
 
 
-def ensure_moto_server(*, install: bool = True) -> str:
-    """Path of moto's server executable; installed into CACHE (a venv) when missing."""
+def ensure_moto_server() -> str:
+    """Path of moto's server executable: TABLETUNE_MOTO_SERVER, else on PATH, else CACHE's
+    venv. Never installed at run time (no downloads while running): the error says how."""
     configured = os.environ.get("TABLETUNE_MOTO_SERVER")
     if configured:
         return configured
@@ -44,15 +45,8 @@ def ensure_moto_server(*, install: bool = True) -> str:
     found = shutil.which("moto_server") or (str(cached) if cached.exists() else None)
     if found:
         return found
-    if not install:
-        raise BrokerError(f"moto_server not found: python -m venv {CACHE} && {CACHE}/bin/pip "
-                          f"install '{MOTO_REQUIREMENT}' (or set TABLETUNE_MOTO_SERVER)")
-    subprocess.run([sys.executable, "-m", "venv", str(CACHE)], check=True, timeout=300)
-    subprocess.run([str(CACHE / "bin" / "pip"), "install", "--quiet", MOTO_REQUIREMENT],
-                   check=True, timeout=900)
-    if not cached.exists():
-        raise BrokerError(f"pip installed {MOTO_REQUIREMENT} but {cached} is missing")
-    return str(cached)
+    raise BrokerError(f"moto_server not found: python -m venv {CACHE} && {CACHE}/bin/pip "
+                      f"install '{MOTO_REQUIREMENT}' (or set TABLETUNE_MOTO_SERVER)")
 
 
 @dataclass

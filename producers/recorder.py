@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 from typing import Any, Protocol
 
@@ -65,16 +66,25 @@ class RecorderConfig:
             raise ValueError(f"frame_interval_s={self.frame_interval_s} must be > 0")
 
 
-_ROW_COLUMNS = (
+_INT_COLUMNS = (
     ("ts_ns", np.int64), ("step_seq", np.int64), ("batch_size", np.int32),
     ("num_decode_reqs", np.int32), ("num_prefill_reqs", np.int32),
     ("num_prefill_tokens", np.int32), ("k", np.int16), ("k_next", np.int16),
     ("table_version", np.int64), ("num_drafts", np.int32), ("num_draft_tokens", np.int32),
-    ("num_accepted_tokens", np.int32), ("kv_tokens", np.int64), ("ctx_len_mean", np.float64),
-    ("ctx_len_max", np.int32), ("step_latency_s", np.float64), ("inter_step_s", np.float64),
-    ("forced", np.bool_),
+    ("num_accepted_tokens", np.int32), ("kv_tokens", np.int64), ("ctx_len_max", np.int32),
 )
-"""The scalars of a step's row in `_RowBuffer.rows`, in order, and their column types."""
+"""The integer scalars of a step's row in `_RowBuffer.rows`, in order, and their types."""
+_FLOAT_COLUMNS = ("ctx_len_mean", "step_latency_s", "inter_step_s")
+"""The float scalars of a step's row in `_RowBuffer.times`, in order."""
+
+
+@lru_cache(maxsize=8)
+def _constant_columns(identity: EngineIdentity, n: int) -> dict[str, pa.Array]:
+    """The columns a frame of `n` records from `identity` holds (immutable: shared)."""
+    cols = {"schema_version": pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))}
+    for name in ("engine_id", "model", "drafter", "hardware"):
+        cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
+    return cols
 
 
 class _RowBuffer:
@@ -85,7 +95,10 @@ class _RowBuffer:
         self.max_positions = max(max_positions, 1)
         self.opened_at = 0.0
         self.rows: list[tuple[Any, ...]] = []
-        """Per step, its scalars (`_ROW_COLUMNS`)."""
+        """Per step, its integer scalars (`_INT_COLUMNS`)."""
+        self.times: list[tuple[float, float, float]] = []
+        """Per step, its float scalars (`_FLOAT_COLUMNS`)."""
+        self.forced: list[bool] = []
         self.accepted: list[Sequence[int]] = []
         """Per step, accepted_per_pos (a reference)."""
         self.finished: list[np.ndarray | tuple[()]] = []
@@ -97,14 +110,22 @@ class _RowBuffer:
 
     def clear(self) -> None:
         self.rows.clear()
+        self.times.clear()
+        self.forced.clear()
         self.accepted.clear()
         self.finished.clear()
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = len(self.rows)
-        scalars = zip(*self.rows, strict=True) if n else ((),) * len(_ROW_COLUMNS)
-        cols = {name: pa.array(np.array(values, dtype=dtype))
-                for (name, dtype), values in zip(_ROW_COLUMNS, scalars, strict=True)}
+        ints = np.fromiter(chain.from_iterable(self.rows), dtype=np.int64,
+                           count=n * len(_INT_COLUMNS)).reshape(n, len(_INT_COLUMNS))
+        floats = np.fromiter(chain.from_iterable(self.times), dtype=np.float64,
+                             count=n * len(_FLOAT_COLUMNS)).reshape(n, len(_FLOAT_COLUMNS))
+        cols = {name: pa.array(ints[:, i].astype(dtype))
+                for i, (name, dtype) in enumerate(_INT_COLUMNS)}
+        for i, name in enumerate(_FLOAT_COLUMNS):
+            cols[name] = pa.array(floats[:, i].copy())
+        cols["forced"] = pa.array(np.array(self.forced, dtype=np.bool_).reshape(n))
         width = self.max_positions
         lengths = np.fromiter((min(len(a), width) for a in self.accepted), dtype=np.int32,
                               count=n)
@@ -114,9 +135,7 @@ class _RowBuffer:
                              dtype=np.int32, count=int(offsets[-1]))
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
         cols["finished_requests"] = to_arrow(self.finished, width)
-        cols["schema_version"] = pa.array(np.full(n, SCHEMA_VERSION, dtype=np.int16))
-        for name in ("engine_id", "model", "drafter", "hardware"):
-            cols[name] = pa.array([getattr(identity, name)] * n, type=pa.string())
+        cols.update(_constant_columns(identity, n))
         return pa.table([cols[name] for name in STEP_RECORD_SCHEMA.names],
                         schema=STEP_RECORD_SCHEMA)
 
@@ -174,8 +193,9 @@ class StepRecorder:
             rows.append((
                 time.time_ns() if ts_ns is None else ts_ns, seq, batch_size, num_decode_reqs,
                 num_prefill_reqs, num_prefill_tokens, k, k_next, table_version, num_drafts,
-                num_draft_tokens, num_accepted_tokens, kv_tokens, ctx_len_mean, ctx_len_max,
-                step_latency_s, inter_step_s, forced))
+                num_draft_tokens, num_accepted_tokens, kv_tokens, ctx_len_max))
+            buf.times.append((ctx_len_mean, step_latency_s, inter_step_s))
+            buf.forced.append(forced)
             buf.accepted.append(accepted_per_pos)
             buf.finished.append(finished_requests)
             self.records_total += 1

@@ -11,10 +11,12 @@ load, high load, prompts 4x longer), one fresh server per arm and repeat.
 
 Arms: `fixed:K` for K in 0..4 and `static` (vLLM's documented table, scaled) run a `force`
 of their table; `tabletune` starts cold. A table that never changes needs no minute to
-learn, so those arms run shorter phases (`--fixed-phase-s`) and are measured after a short
-warm-up; `tabletune`'s phases are measured after their first minute (`--lead-s`). `fixed:K`
-arms run `--fixed-repeats` times, the others `--repeats` times: the whole run fits 45 min
-on 2 cores (see `--help` for the sizes).
+learn, so those arms run shorter phases, measured after a short warm-up (`--fixed-lead-s`,
+`--fixed-measure-s`); `tabletune`'s phases are measured after their first minute
+(`--lead-s`, `--measure-s`). `fixed:K` arms run `--fixed-repeats` times, the others
+`--repeats` times: the whole run fits 45 min on 2 cores (see `--help` for the sizes). The
+model is the self-speculative pair (`--pair`, `--dtype`; PAIRS below says why `small` in
+float32 by default).
 
 --quick: the tiny model with the tests' n-gram drafter, `fixed:2` and `tabletune`, one
 short phase each; exits non-zero unless vLLM's client completed requests without failures
@@ -52,15 +54,26 @@ MAX_K = 4
 MAX_NUM_SEQS = 16
 ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
 DEFAULTS = {
-    # tabletune: 3 x 110 s phases + a start (~60 s): ~440 s; others: 3 x 35 s (up to 1.4x
-    # for slower tables) + a start: ~205 s; 5 fixed x 1 + (static + tabletune) x 2 = 9
-    # servers, ~40 min on 2 idle cores (fixed:K twice: --fixed-repeats 2, ~57 min)
-    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "phase_s": 110.0,
-             "fixed_phase_s": 35.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
+    # per phase: lead-in + measured window + drain (a request's latency, ~5-25 s); tabletune
+    # 60 + 50 s, others 5 + 25 s: ~7.5 min and ~3.5 min an arm with its server's start;
+    # 5 fixed x 1 + (static + tabletune) x 2 = 9 servers, ~40 min on 2 idle cores
+    # (--fixed-repeats 2: ~57 min)
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "measure_s": 50.0,
+             "fixed_measure_s": 25.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
-              "phase_s": 32.0, "fixed_phase_s": 8.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
+              "measure_s": 12.0, "fixed_measure_s": 6.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
               "refit_s": 10.0},
 }
+PAIRS = {
+    "small": {"hidden_size": 1024, "num_layers": 6, "num_heads": 16, "intermediate_size": 2816},
+    "large": {},
+}
+"""`--pair`: the self-speculative pair's size (tabletune.spec_pair; `large` is its default,
+608M parameters). Measured on this 2-core machine (AVX2, no AVX-512, loaded), in-process,
+output tokens/s at K=0 / K=3: `small` in float32 1.1 / 3.9 at one request, 21.2 / 19.1 at
+16; `small` in bfloat16 1.2 / 2.8 and 3.6 / 4.1 (bf16 kernels are slow without AVX-512);
+`large` in float32 1.0 / 2.0 and 6.5 / 6.4, one 64-token prefill ~16 s. `small` in float32
+keeps the crossover (speculation pays alone, not at 16) at a speed a serving run can use."""
 
 
 def build_model(args: argparse.Namespace, work: Path) -> ModelSetup:
@@ -73,10 +86,11 @@ def build_model(args: argparse.Namespace, work: Path) -> ModelSetup:
                           "float32", MAX_NUM_SEQS, 512, MAX_K, kv_cache_gb=1)
     from tabletune.spec_pair import SpecPairSpec, build_spec_pair
 
-    pair = build_spec_pair(work / "spec-pair", SpecPairSpec(scale=args.scale))
-    return ModelSetup(pair.target, "spec-pair", {"method": "draft_model",
-                                                 "model": str(pair.draft)},
-                      "bfloat16", MAX_NUM_SEQS, 512, MAX_K)
+    name = "spec-pair" if args.pair == "large" else f"spec-pair-{args.pair}"
+    pair = build_spec_pair(work / name, SpecPairSpec(scale=args.scale, **PAIRS[args.pair]))
+    args.pair_params = {"target": pair.target_params, "draft": pair.draft_params}
+    return ModelSetup(pair.target, name, {"method": "draft_model", "model": str(pair.draft)},
+                      args.dtype, MAX_NUM_SEQS, 512, MAX_K)
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -108,7 +122,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         ingest.start()
         ctx = ArmContext(setup, table0, settings, broker.bootstrap,
                          f"cpu{os.cpu_count()}c", out, work / "vllm-cache", phases,
-                         {"tabletune": args.phase_s, "fixed": args.fixed_phase_s},
+                         {"tabletune": args.lead_s, "fixed": args.fixed_lead_s},
+                         {"tabletune": args.measure_s, "fixed": args.fixed_measure_s},
                          ("--refit-s", str(args.refit_s)), probe=not args.quick)
         try:
             for i, slot in enumerate(slots):
@@ -175,24 +190,28 @@ def _drain(ingestor: Any, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None
 
 def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...],
            table0: list[list[int]], lead: dict[str, float],
-           speeds: dict[str, float]) -> dict[str, Any]:
+           speeds: dict[str, dict[str, float]]) -> dict[str, Any]:
     described = []
     for phase, entry in zip(phases, plan_dict(phases), strict=True):
-        speed = speeds.get(phase.name)
-        described.append({**entry, "describe": phase.describe(), "probed_tok_s": speed,
-                          "prompts": {"tabletune": phase.num_prompts(args.phase_s, speed),
-                                      "fixed": phase.num_prompts(args.fixed_phase_s, speed)}})
-    model = ("tiny random Llama (2 layers, hidden 128), n-gram drafter" if args.quick else
-             f"self-speculative pair (tabletune.spec_pair, scale {args.scale}): random "
-             "Llama, hidden 2048, 12 layers, bf16, draft_model drafter = its first layer")
+        described.append({**entry, "describe": phase.describe(),
+                          "speed": speeds.get(phase.name)})
+    if args.quick:
+        model = "tiny random Llama (2 layers, hidden 128, float32), n-gram drafter"
+    else:
+        size = PAIRS[args.pair] or {"hidden_size": 2048, "num_layers": 12}
+        model = (f"self-speculative pair `{args.pair}` (tabletune.spec_pair, scale "
+                 f"{args.scale}): random Llama, hidden {size['hidden_size']}, "
+                 f"{size['num_layers']} layers, {args.pair_params['target'] / 1e6:.0f}M "
+                 f"parameters, {args.dtype}; draft_model drafter = its first layer "
+                 f"({args.pair_params['draft'] / 1e6:.0f}M)")
     return {"model": model, "served_name": setup.served_name, "drafter": setup.drafter,
-            "max_num_seqs": setup.max_num_seqs, "max_k": setup.max_k,
+            "dtype": setup.dtype, "max_num_seqs": setup.max_num_seqs, "max_k": setup.max_k,
             "max_model_len": setup.max_model_len, "startup_table": table0,
             "static_table": static_table(setup.max_num_seqs, setup.max_k),
             "phases": described, "arms": args.arms, "repeats": args.repeats,
-            "fixed_repeats": args.fixed_repeats,
-            "phase_s": {"tabletune": args.phase_s, "fixed": args.fixed_phase_s},
-            "lead_s": lead, "control_refit_s": args.refit_s,
+            "fixed_repeats": args.fixed_repeats, "lead_s": lead,
+            "measure_s": {"tabletune": args.measure_s, "fixed": args.fixed_measure_s},
+            "control_refit_s": args.refit_s,
             "score": "output tokens/s from the Parquet telemetry over each phase after its "
                      "lead-in and before its drain (bench/serving_telemetry.py)"}
 
@@ -213,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="real_serving.json, real_serving.md, plots, parquet/, runs/")
     parser.add_argument("--work", default=None,
                         help="models and caches (default: a new temporary folder; give one "
-                             "to reuse the 1.2 GB model pair across runs)")
+                             "to reuse the model pair across runs)")
     parser.add_argument("--model", default=None,
                         help="--quick: a tiny model folder already built by "
                              "tabletune.tiny_models (default: build one under --work)")
@@ -221,14 +240,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     parser.add_argument("--fixed-repeats", type=int, default=None,
                         help="repeats of the fixed:K arms (default 1)")
-    parser.add_argument("--phase-s", type=float, default=None,
-                        help="target seconds per phase of the tabletune arm (default 110)")
-    parser.add_argument("--fixed-phase-s", type=float, default=None,
-                        help="target seconds per phase of the other arms (default 35)")
     parser.add_argument("--lead-s", type=float, default=None,
                         help="tabletune: each phase is measured after this (default 60)")
+    parser.add_argument("--measure-s", type=float, default=None,
+                        help="tabletune: then this long, before the drain (default 50)")
     parser.add_argument("--fixed-lead-s", type=float, default=None,
-                        help="other arms: each phase is measured after this (default 5)")
+                        help="other arms, whose tables never change: lead-in (default 5)")
+    parser.add_argument("--fixed-measure-s", type=float, default=None,
+                        help="other arms: measured seconds per phase (default 25)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
+                        help="the model pair's size (default small: see PAIRS in "
+                             "bench/real_serving.py for what was measured)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the server's --dtype for the pair (default float32: bfloat16 "
+                             "kernels are slow on CPUs without AVX-512)")
     parser.add_argument("--refit-s", type=float, default=None,
                         help="`tabletune control --refit-s` (default 30; quick 10)")
     parser.add_argument("--scale", type=float, default=0.04,

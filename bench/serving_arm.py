@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.serving_plan import Phase, Slot, arm_table, client_argv
+from bench.serving_plan import Phase, Slot, arm_table, client_argv, phase_seconds, speed_of
 from bench.serving_server import HEALTH_TIMEOUT_S, REPO, ModelSetup, Server, engine_environment
 from controller.table_log import force, publish, read_topic
 from schemas import DraftTable, TableKey
@@ -48,14 +48,16 @@ class ArmContext:
     out_dir: Path
     cache_dir: Path
     phases: tuple[Phase, ...]
-    phase_s: dict[str, float]
-    """Target seconds per phase for `tabletune` ("tabletune") and every other arm ("fixed")."""
+    lead_s: dict[str, float]
+    """Seconds of each phase before its measured window: "tabletune" and "fixed" (others)."""
+    measure_s: dict[str, float]
+    """Seconds of each phase's measured window, the same two ways."""
     control_args: tuple[str, ...] = ()
     probe: bool = True
     """Probe a phase's speed before its first run (off: size from `Phase.expected_tok_s`)."""
-    speeds: dict[str, float] = field(default_factory=dict)
-    """Output tokens/s per phase, the first probe's, then the fastest arm's so far: what
-    later arms are sized with (a phase of the fastest table lasts its target, no less)."""
+    speeds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per phase, `tok_s` and `drain_s` (serving_plan.speed_of): the first probe's, then the
+    fastest arm's tokens/s and the longest drain so far, what later arms are sized with."""
 
 
 @dataclass
@@ -65,7 +67,7 @@ class ArmRun:
     engine_id: str
     table: list[list[int]] | None
     phases: list[dict[str, Any]] = field(default_factory=list)
-    """Per phase: name, target seconds, the probe's tok/s (first arm), prompts, client times
+    """Per phase: name, target seconds, the probe (first arm), prompts, client times
     (`called`, `started`, `ended`), the result file."""
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per phase: vLLM's client result JSON, as it saved it."""
@@ -90,22 +92,23 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
         publish(ctx.settings, force(key, DraftTable.from_vllm(run.table),
                                     hold_s=MAX_FORCE_S - 60, issued_by="bench.real_serving"))
     server = Server(setup, ctx.startup_table, free_port(), env, run_dir / "server.log")
-    seconds = ctx.phase_s["tabletune" if slot.arm == "tabletune" else "fixed"]
+    kind = "tabletune" if slot.arm == "tabletune" else "fixed"
+    lead_s, measure_s = ctx.lead_s[kind], ctx.measure_s[kind]
     plan = []
     for i, phase in enumerate(ctx.phases):
         common = {"base_url": server.url, "model": setup.served_name,
                   "tokenizer": str(setup.target), "result_dir": str(run_dir / "client")}
-        probe = ctx.probe and phase.name not in ctx.speeds
+        speed = ctx.speeds.get(phase.name)
+        seconds = phase_seconds(lead_s, measure_s, speed)
+        probe = ctx.probe and speed is None
         entry: dict[str, Any] = {"name": phase.name, "argv": client_argv(
-            phase, prompts=phase.num_prompts(seconds, ctx.speeds.get(phase.name)),
+            phase, prompts=phase.num_prompts(seconds, speed["tok_s"] if speed else None),
             result_file=f"{phase.name}.json", warmups=int(i == 0 and not probe), **common)}
         if probe:
             entry["probe"] = {"argv": client_argv(phase, prompts=phase.probe_prompts,
                                                   result_file=None, warmups=int(i == 0),
                                                   **common),
-                              "target_s": seconds, "output_len": phase.output_len,
-                              "concurrency": phase.concurrency,
-                              "min_prompts": phase.probe_prompts}
+                              "phase": asdict(phase), "lead_s": lead_s, "measure_s": measure_s}
         plan.append(entry)
         run.phases.append({"name": phase.name, "target_s": seconds,
                            "result_file": f"{phase.name}.json"})
@@ -126,19 +129,23 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
         if run.table is not None:
             wait_for_event(ctx.settings, run.engine_id, "forced", FORCED_TIMEOUT_S)
         client.go()
-        for kind, line in client.lines(timeout_s=sum(p["target_s"] for p in run.phases) * 4
-                                       + 600):
+        for kind_, line in client.lines(timeout_s=sum(p["target_s"] for p in run.phases) * 4
+                                        + 600):
             entry = next(p for p in run.phases if p["name"] == line["name"])
-            if kind == "PROBE":
-                entry["probe_tok_s"] = line["tok_s"]
-                ctx.speeds.setdefault(line["name"], line["tok_s"])
+            if kind_ == "PROBE":
+                entry["probe"] = line
+                entry["target_s"] = line["seconds"]
+                ctx.speeds.setdefault(line["name"], {k: line[k] for k in ("tok_s", "drain_s")})
                 continue
             entry.update({k: line[k] for k in ("called", "started", "ended", "prompts")})
             entry["duration_s"] = line["ended"] - line["started"]
             run.results[line["name"]] = json.loads(
                 (run_dir / "client" / entry["result_file"]).read_text())
-        for name, result in run.results.items():  # size later arms for the fastest so far
-            ctx.speeds[name] = max(ctx.speeds.get(name, 0.0), float(result["output_throughput"]))
+        for name, result in run.results.items():  # later arms: the fastest, longest drain
+            now, known = speed_of(result), ctx.speeds.get(name)
+            ctx.speeds[name] = now if known is None else {
+                "tok_s": max(now["tok_s"], known["tok_s"]),
+                "drain_s": max(now["drain_s"], known["drain_s"])}
         if len(run.results) != len(ctx.phases):
             raise ArmError(f"{slot.slug}: the client ran {sorted(run.results)} of "
                            f"{[p.name for p in ctx.phases]}:\n{client.tail()}")

@@ -31,13 +31,16 @@ def write_markdown(result: dict[str, Any], path: Path, plot_names: list[str]) ->
         "random prompts, Poisson arrivals, capped in flight; the phases back "
         "to back in one server's life, a fresh server per arm and repeat, the arm order "
         "reversed on even repeats.", "",
-        "| phase | load | target s (tabletune / others) | probed tok/s |",
+        "| phase | load | prompts, s (tabletune) | prompts, s (other arms) |",
         "| --- | --- | --- | --- |"]
     for phase in setup["phases"]:
-        probed = phase.get("probed_tok_s")
-        lines.append(f"| {phase['name']} | {phase['describe']} | "
-                     f"{setup['phase_s']['tabletune']:g} / {setup['phase_s']['fixed']:g} | "
-                     f"{'-' if probed is None else f'{probed:.1f}'} |")
+        cells = []
+        for tabletune in (True, False):
+            runs = [r["phases"][phase["name"]] for arm in arms for r in arms[arm]["repeats"]
+                    if (arm == "tabletune") == tabletune]
+            cells.append(_range([r["num_prompts"] for r in runs], "{:d}") + ", "
+                         + _range([r["duration"] for r in runs], "{:.0f}") if runs else "-")
+        lines.append(f"| {phase['name']} | {phase['describe']} | {cells[0]} | {cells[1]} |")
     lines += ["", f"Arms: {', '.join(f'`{a}` x{repeats[a]}' for a in ordered(arms))} "
               f"(repeats). `fixed:K` and `static` are `force` controls on the tables topic "
               f"(static = vLLM's documented table scaled to this engine: "
@@ -54,6 +57,11 @@ def write_markdown(result: dict[str, Any], path: Path, plot_names: list[str]) ->
         lines += ["", "Problems: " + "; ".join(result["problems"])]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _range(values: list[Any], spec: str) -> str:
+    low, high = spec.format(min(values)), spec.format(max(values))
+    return low if low == high else f"{low}-{high}"
 
 
 def _cell(score: dict[str, Any]) -> str:

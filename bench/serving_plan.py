@@ -3,10 +3,11 @@
 A phase is one run of vLLM's client (`vllm bench serve`): random prompts, Poisson arrivals
 at a rate above what the server can take, capped at a concurrency, so the server runs at
 that concurrency and output throughput depends on the table. Its size is a number of
-prompts, chosen from a target length in seconds and the server's speed in that phase: the
-first arm probes each phase (a short client run before it), later arms are sized from the
-fastest arm's speed so far, so a slower or busier machine runs as long, not 10x longer, and
-a faster table never gets a shorter phase than its target.
+prompts, chosen for a length in seconds (lead-in + measured window + drain) from the
+server's speed in that phase: the first arm probes each phase (a short client run before
+it), later arms are sized from the fastest arm's speed and the longest drain so far, so a
+slower machine runs about as long (fewer tokens, not 10x the time), and no table gets a
+shorter measured window than asked.
 """
 
 from __future__ import annotations
@@ -38,27 +39,41 @@ class Phase:
     def num_prompts(self, seconds: float, tok_s: float | None = None) -> int:
         """Prompts for `seconds` at `tok_s` output tokens/s (default: `expected_tok_s`)."""
         rate = self.expected_tok_s if tok_s is None else tok_s
-        # one more request per slot: the ramp and the drain run below the steady rate
+        # half a request more per slot: the drain runs below the steady rate
         return max(self.probe_prompts,
-                   round(seconds * rate / self.output_len) + self.concurrency)
+                   round(seconds * rate / self.output_len) + self.concurrency // 2)
 
     @property
     def probe_prompts(self) -> int:
-        """A probe of the server's speed in this phase: two requests per slot."""
-        return 2 * self.concurrency
+        """A probe of the server's speed in this phase: one request per slot (a wave of 16
+        took ~50 s on the loaded 2-core machine), and the least a phase runs."""
+        return self.concurrency
 
     def describe(self) -> str:
         return (f"{self.input_len} in / {self.output_len} out tokens, <= {self.concurrency} "
                 f"in flight, Poisson {self.rate_rps:g} req/s")
 
 
+def phase_seconds(lead_s: float, measure_s: float, speed: dict[str, float] | None) -> float:
+    """How long a phase must run: its lead-in, its measured window, and its drain (a median
+    request's latency, when fewer requests than the cap are left: not measured)."""
+    return lead_s + measure_s + (speed["drain_s"] if speed else 0.0)
+
+
+def speed_of(result: dict[str, Any]) -> dict[str, float]:
+    """A phase's speed from vLLM's client result: output tokens/s and the drain."""
+    return {"tok_s": float(result["output_throughput"]),
+            "drain_s": float(result.get("median_e2el_ms") or 0.0) / 1000.0}
+
+
 FULL_PHASES = (
-    Phase("low", 64, 96, 2, 1.5, 55.0, 1),
-    Phase("high", 64, 96, 16, 6.0, 170.0, 2),
-    Phase("long", 256, 96, 6, 3.0, 90.0, 3),
+    Phase("low", 64, 96, 2, 1.5, 30.0, 1),
+    Phase("high", 64, 96, 16, 6.0, 80.0, 2),
+    Phase("long", 256, 96, 6, 3.0, 50.0, 3),
 )
 """Low load, short prompts (speculation pays); high load (it hurts); prompts 4x longer at a
-moderate load. Expected rates: the self-speculative pair on 2 cores (docs/VLLM.md)."""
+moderate load. The rates are above what the self-speculative pair serves on 2 cores (the
+expected tokens/s only size a phase when it was not probed)."""
 
 QUICK_PHASES = (Phase("mixed", 32, 64, 4, 4.0, 256.0, 1),)
 """Paced by its arrivals (4 req/s x 64 tokens, below the tiny model's capacity), so its

@@ -19,8 +19,10 @@ DECODING, EMIT_FULL, EMITTED, CONTEXT, CONTEXT_MAX, PER_POS = range(6)
 """Columns of `Paths.sums`: 1 per step, tokens the drafts allowed, tokens emitted, context
 (KV tokens), 0 (a batch's maximum context goes there), then one column per draft position:
 1 where the draft at that position was accepted."""
-_ROWS_AT_ONCE = 1024
+_ROWS_AT_ONCE = 64
 """Requests whose ledger rows are computed together (`Paths.ledger_rows`)."""
+_CHASE_STEPS = 16
+"""Steps taken between checks of which requests are still going (`Paths`)."""
 
 
 class Paths:
@@ -37,17 +39,22 @@ class Paths:
         self.first_request = np.cumsum([0] + [len(p) for p in pools])[:-1]
         """Per phase, the number of its pool's first request."""
         end = offset + output - 1  # a step starts below generated = output
-        at, ends, steps = offset, end, []
-        alive = at < ends
-        while True:
-            if not alive.all():
-                at, ends = at[alive], ends[alive]
-            if not at.size:
-                break
-            steps.append(at)
-            at = next_at.take(at)
+        # every request's positions step after step; those past their request's end are
+        # dropped at the end (and, once they are half of them, from the chase)
+        alive = offset < end
+        at, ends = offset[alive], end[alive]
+        steps, bounds = [], []
+        while at.size:
+            for _ in range(_CHASE_STEPS):
+                steps.append(at)
+                bounds.append(ends)
+                at = next_at.take(at)
             alive = at < ends
-        position = np.sort(np.concatenate(steps)) if steps else np.zeros(0, np.int64)
+            left = int(np.count_nonzero(alive))
+            if left < at.size // 2 or not left:
+                at, ends = at[alive], ends[alive]
+        position = np.concatenate(steps) if steps else np.zeros(0, np.int64)
+        position = np.sort(position[position < np.concatenate(bounds)] if steps else position)
         request = np.searchsorted(offset, position, side="right") - 1
         counts = np.bincount(request, minlength=len(offset))
         self.stop = np.cumsum(counts)
@@ -65,7 +72,7 @@ class Paths:
         self.sums = sums
         self.context = sums[:, CONTEXT]
         self._max_positions = max_positions
-        self._rows: dict[int, np.ndarray] | None = None
+        self._rows: dict[int, np.ndarray] = {}
 
     def index_of(self, positions: np.ndarray) -> np.ndarray:
         """Row of each acc_len position's step, or -1 where no request's path has it."""
@@ -76,12 +83,13 @@ class Paths:
 
     def ledger_rows(self, request: int) -> np.ndarray:
         """`RequestLedger.finish` rows of a request whose every step is on its path."""
-        if self._rows is None:
-            self._rows = {}
-            for first in range(0, len(self.start), _ROWS_AT_ONCE):
-                self._rows.update(self._ledger_rows(first, min(first + _ROWS_AT_ONCE,
-                                                               len(self.start))))
-        return self._rows[request]
+        rows = self._rows.get(request)
+        if rows is None:  # its block of requests at once
+            first = request - request % _ROWS_AT_ONCE
+            self._rows.update(self._ledger_rows(first, min(first + _ROWS_AT_ONCE,
+                                                           len(self.start))))
+            rows = self._rows[request]
+        return rows
 
     def _ledger_rows(self, first: int, stop: int) -> dict[int, np.ndarray]:
         """Requests first .. stop - 1 each through a ledger, numbered as if alone."""

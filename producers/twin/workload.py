@@ -100,8 +100,11 @@ def parametric_pool(acceptance: tuple[float, ...], *, prompt_len: float, output_
     positions = max(max_k, 1)
     rates = np.array([acceptance[min(i, len(acceptance) - 1)] for i in range(positions)])
     accepted = rng.random((total, positions)) < rates
-    # 1 + the leading accepted positions (the first rejected one's index, or all)
-    acc_flat = 1 + np.where(accepted.all(axis=1), positions, accepted.argmin(axis=1))
+    # 1 + the leading accepted positions: the first rejected one's index, a rejected one
+    # appended so that every row has one
+    padded = np.zeros((total, positions + 1), dtype=bool)
+    padded[:, :positions] = accepted
+    acc_flat = 1 + padded.argmin(axis=1)
     if max_k == 0:
         acc_flat[:] = 1
     offsets = np.zeros(requests, dtype=np.int64)

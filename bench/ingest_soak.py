@@ -20,8 +20,8 @@ partition's true end, read by a fetch), then stop (SIGTERM). Then the telemetry 
 read end to end with a plain consumer: it is the ground truth. Each message is decoded and
 checked as ingest does (`decode_frame`, `check_steps`):
 
-- lost: a valid row in the topic, by (partition, offset, engine_id, step_seq), that no
-  Parquet file holds; an invalid row or an undecodable frame the dead-letter topic lacks;
+- lost: a valid row in the topic whose record (engine_id, step_seq) no Parquet file holds, at
+  any offset (ingest stores a re-sent copy once, at its first offset); an invalid row or an undecodable frame the dead-letter topic lacks;
   records an engine's sink counted as acknowledged that the topic does not hold (a row past
   the group's committed offset is counted apart, as unread: ingest stopped behind);
 - duplicated: a row in Parquet more than once, by (partition, offset, engine_id, step_seq)
@@ -594,7 +594,10 @@ def count(truth: dict[str, Any], stored: pl.DataFrame, dlq: dict[str, Any], flee
     valid: pl.DataFrame = truth["valid"]
     stored = stored.cast({"source_partition": pl.Int64})
     valid = valid.cast({"source_partition": pl.Int64})
-    missing = valid.join(stored, on=IDENTITY, how="anti")
+    # a copy an engine re-sent (the topic holds it at two offsets) is stored once, at the
+    # first: a row is missing only if its record is stored at no offset
+    missing = valid.join(stored.select("engine_id", "step_seq").unique(),
+                         on=["engine_id", "step_seq"], how="anti")
     # below the group's committed offset a missing row is lost; at or past it, only unread
     # (ingest had not caught up when it was stopped)
     marks = pl.DataFrame({"source_partition": list(committed),

@@ -1,5 +1,4 @@
-"""What every Kafka client of ours shares: a bounded close of a producer, and a reachability
-check for command lines.
+"""A bounded close of a kafka-python producer, which every producer of ours uses.
 
 kafka-python (2.2 and 3.x alike) flushes inside `KafkaProducer.close(timeout)` and, when
 records are still pending at the timeout (the broker is down), raises KafkaTimeoutError
@@ -13,8 +12,6 @@ always stops the thread.
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Sequence
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
@@ -24,13 +21,6 @@ log = logging.getLogger(__name__)
 FORCED_CLOSE_S = 2.0
 """How long a forced close waits for the I/O thread to fail what is pending and exit; it is
 woken at once, so this bounds a stuck thread, it is not a wait."""
-CONNECT_TIMEOUT_S = 5.0
-"""A command line's TCP check of one bootstrap server: a firewalled host fails in this long
-instead of kafka-python's 30 s bootstrap retries."""
-
-
-class KafkaUnreachable(ConnectionError):
-    """No bootstrap server accepted a connection; the message names each and why."""
 
 
 def close_producer(producer: KafkaProducer, timeout_s: float) -> bool:
@@ -54,25 +44,3 @@ def close_producer(producer: KafkaProducer, timeout_s: float) -> bool:
     except KafkaError:
         log.warning("producer I/O thread did not stop within %.1f s", FORCED_CLOSE_S)
     return False
-
-
-def check_reachable(servers: Sequence[str], timeout_s: float = CONNECT_TIMEOUT_S) -> str:
-    """The first of `servers` (host:port) that accepts a TCP connection.
-
-    For command lines, before any kafka-python client: a dead bootstrap then fails at once
-    (refused) or within `timeout_s` per server, naming each, instead of after 30 s of
-    retries with a traceback. KafkaUnreachable when none answers."""
-    problems = []
-    for server in servers:
-        host, _, port = server.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-                return server
-        except TimeoutError:
-            problems.append(f"{server} (no answer within {timeout_s:g} s)")
-        except socket.gaierror as exc:
-            problems.append(f"{server} (cannot resolve {host}: {exc.strerror})")
-        except OSError as exc:
-            problems.append(f"{server} ({exc.strerror or exc})")
-    raise KafkaUnreachable("cannot reach Kafka at " + ", ".join(problems)
-                           + ": check --bootstrap or TABLETUNE_BOOTSTRAP")

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
-class BrokerError(RuntimeError):
-    """The embedded broker could not be started or did not become ready."""
+class BrokerError(OSError):
+    """The embedded broker could not be started or did not become ready (an OSError: the
+    environment failed, as a port in use or a missing binary does)."""
 
 
 @dataclass(frozen=True, slots=True)

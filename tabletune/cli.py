@@ -15,8 +15,6 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from kafka.errors import KafkaError
-
 from controller.cli_args import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -27,21 +25,20 @@ from controller.cli_args import (
     number,
 )
 from controller.vllm_compat import check_with_vllm
-from fitter.kafka_clients import check_reachable
 from schemas import TableError
 from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
 from schemas.settings import ENV_VARS, Settings
 from schemas.signing import generate_private_key, private_key_text, public_key_text
 from schemas.table_files import load_table_file
-from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
 
 EXIT_STATUS = ("Exit status: 0 done; 1 the command failed (a file, a table, a dataset or the "
                "broker; one line on stderr names it); 2 the command line is wrong (the line "
                "names the flag and its bound); 3 `ingest --until-idle` stopped behind (it "
                "names the lag). -v adds kafka-python's own log and the traceback of an error.")
-FAILURES = (ValueError, OSError, BrokerError)
+FAILURES = (ValueError, OSError)
 """What a command's bad input or environment raises (ours are ValueErrors: TableError,
-SettingsError, ScenarioError, ...); anything else is a bug and keeps its traceback."""
+SettingsError, ScenarioError, ...; OSErrors: BrokerError, ...); anything else is a bug and
+keeps its traceback."""
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -67,10 +64,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kafka").setLevel(logging.WARNING if args.verbose else logging.CRITICAL)
     try:
         return int(args.handler(args))
-    except KafkaError as exc:
-        return _failed(f"Kafka at {_bootstrap_of(args)}: {exc}", verbose=args.verbose)
     except FAILURES as exc:
         return _failed(str(exc), verbose=args.verbose)
+    except Exception as exc:
+        if not _is_kafka_error(exc):
+            raise
+        return _failed(f"Kafka at {_bootstrap_of(args)}: {exc}", verbose=args.verbose)
+
+
+def _is_kafka_error(exc: Exception) -> bool:
+    """kafka-python's errors, without importing it: only the commands that talk to a broker
+    import it (it is a third of `twin run`'s start-up), and no other can raise its errors."""
+    errors = sys.modules.get("kafka.errors")
+    return errors is not None and isinstance(exc, errors.KafkaError)
 
 
 def _failed(message: str, *, verbose: bool) -> int:
@@ -246,6 +252,7 @@ def run_keygen(args: argparse.Namespace) -> int:
 
 
 def run_twin_fleet(args: argparse.Namespace) -> int:
+    from fitter.reachability import check_reachable
     from tabletune.twin_fleet import FleetConfig, run_fleet
 
     settings = Settings.from_env().with_bootstrap(args.bootstrap)
@@ -264,6 +271,8 @@ def run_twin_fleet(args: argparse.Namespace) -> int:
 
 
 def run_broker(args: argparse.Namespace) -> int:
+    from tabletune.broker import EmbeddedBroker, TopicLayout
+
     broker = EmbeddedBroker(port=args.port,
                             layout=TopicLayout(telemetry_partitions=args.telemetry_partitions))
 
@@ -296,6 +305,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
 def run_ingest(args: argparse.Namespace) -> int:
     from fitter.ingest import IngestConfig, IngestIncomplete, Ingestor
+    from fitter.reachability import check_reachable
 
     settings = Settings.from_env().with_bootstrap(args.bootstrap)
     check_reachable(settings.require_bootstrap())

@@ -17,7 +17,7 @@ from controller.cli_args import (
     integers,
     table_key,
 )
-from fitter.kafka_clients import check_reachable
+from fitter.reachability import check_reachable
 from schemas import TableKey
 from schemas.settings import Settings
 

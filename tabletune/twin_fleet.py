@@ -25,8 +25,8 @@ from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from controller.vllm_compat import check_with_vllm
 from producers.identity import EngineIdentity
+from producers.kafka_sink import KafkaSink
 from producers.recorder import RecorderConfig, StepRecorder
-from producers.sinks import KafkaSink
 from producers.twin.config import Scenario
 from producers.twin.policies import VLLM_DOC_TABLE, Policy
 from producers.twin.run import build_engine, phase_spans

@@ -16,7 +16,7 @@ from controller.validation import EngineLimits
 from fitter.dataset import escape, hive_path, read_dataset, unescape
 from fitter.ingest import IngestConfig, Ingestor
 from fitter.surface.synthetic import make_step_records
-from producers.sinks import KafkaSink
+from producers.kafka_sink import KafkaSink
 from schemas import DraftTable, TableKey
 from schemas.settings import Settings
 from tabletune.fit_job import RefitJob, refit_once

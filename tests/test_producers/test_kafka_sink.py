@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 from producers.identity import EngineIdentity
+from producers.kafka_sink import KafkaSink, KafkaSinkConfig
 from producers.recorder import RecorderConfig, StepRecorder
-from producers.sinks import KafkaSink, KafkaSinkConfig, sink_from_url
+from producers.sinks import sink_from_url
 from schemas import records_to_table
 from schemas.settings import Settings
 from tabletune.broker import free_port

@@ -18,7 +18,7 @@ from controller.channel import KafkaChannel
 from controller.status import StatusPublisher
 from controller.table_log import control
 from fitter.kafka_clients import close_producer
-from producers.sinks import KafkaSink, KafkaSinkConfig
+from producers.kafka_sink import KafkaSink, KafkaSinkConfig
 from schemas import TableKey, records_to_table
 from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker

@@ -141,10 +141,6 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
     kv_tokens = sum(context_lengths)
     previous = raw.previous_update_start_s
     inter_step_s = 0.0 if previous is None else raw.update_start_s - previous
-    if raw.async_scheduling:
-        step_latency_s = inter_step_s  # only the gap between updates means anything here
-    else:
-        step_latency_s = raw.update_start_s - raw.schedule_start_s
     return {
         "ts_ns": raw.ts_ns,
         "batch_size": batch_size,
@@ -161,8 +157,19 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         "kv_tokens": kv_tokens,
         "ctx_len_mean": kv_tokens / len(context_lengths) if context_lengths else 0.0,
         "ctx_len_max": max(context_lengths, default=0),
-        "step_latency_s": step_latency_s,
+        "step_latency_s": step_latency_s(raw),
         "inter_step_s": inter_step_s,
         "forced": raw.forced,
         "finished_requests": finished,
     }
+
+
+def step_latency_s(raw: RawStep) -> float:
+    """The step's own time. Synchronous: schedule() to update_from_output(). Async
+    scheduling overlaps a step's schedule with the previous step's execution, so there the
+    gap between updates is the step; but not for the first step, nor one scheduled after
+    the previous update (the engine was idle), whose gap holds no step or the idle time."""
+    previous = raw.previous_update_start_s
+    if raw.async_scheduling and previous is not None and raw.schedule_start_s < previous:
+        return raw.update_start_s - previous
+    return raw.update_start_s - raw.schedule_start_s

@@ -29,6 +29,19 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
+def stop_process(process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`: a child server that ignores a stop cannot
+    outlive its owner."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=timeout_s)
+
+
 class BrokerError(OSError):
     """The embedded broker could not be started or did not become ready (an OSError: the
     environment failed, as a port in use or a missing binary does)."""
@@ -113,14 +126,7 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=timeout_s)
+        stop_process(process, timeout_s)
 
     def wait(self) -> int:
         """Block until the broker process exits (for the CLI); returns its exit code."""

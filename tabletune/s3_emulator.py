@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tabletune.broker import HOST, BrokerError, free_port
+from tabletune.broker import HOST, BrokerError, free_port, stop_process
 
 MOTO_REQUIREMENT = "moto[server]>=5.1"
 CACHE = Path.home() / ".cache" / "tabletune" / "moto"
@@ -105,14 +104,7 @@ class S3Emulator:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=timeout_s)
+        stop_process(process, timeout_s)
 
     def __enter__(self) -> S3Emulator:
         return self.start()

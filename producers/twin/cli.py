@@ -12,6 +12,7 @@ import numpy as np
 
 from controller.cli_args import POSITIVE, SHARE, integer
 from producers.sinks import SinkError, check_kafka_sink
+from producers.twin.calibrate import CalibrationError, calibrate, load_records, profile_toml
 from producers.twin.config import DRAFT_METHODS, CostConfig, ScenarioError
 from producers.twin.cost import PROFILES, CostModel
 from producers.twin.policies import PolicyError, policy_usages
@@ -27,7 +28,8 @@ from schemas import TableError
 
 
 def register(subparsers: Any) -> Any:
-    """Add `twin` with its `run` and `static` sub-commands to a parser's sub-commands;
+    """Add `twin` with its `run`, `calibrate` and `static` sub-commands to a parser's
+    sub-commands;
     returns the twin's sub-commands, for commands wired elsewhere (`twin fleet`)."""
     twin = subparsers.add_parser(
         "twin", help="the twin: a trace-driven simulated vLLM engine",
@@ -52,6 +54,47 @@ def register(subparsers: Any) -> Any:
                      help="after the end, run without new arrivals until all requests finish")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.set_defaults(handler=run_twin)
+
+    calibrate_cmd = commands.add_parser(
+        "calibrate", help="fit the twin's cost model and acceptance to a real engine's "
+        "telemetry",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reads the step records under --parquet (the ingest job's Parquet) and "
+        "writes a scenario the twin runs as it is, whose [cost] and [drafter] tables and "
+        "acceptance line can go into any scenario.\n\n"
+        "Cost: step_latency_s is fitted by nonnegative least squares on the twin's terms "
+        "(docs/TWIN.md):\n"
+        "  verify = target_kv*KV + target_batched*max(0, batched - knee) + target_fixed\n"
+        "  draft  = [K>0]*(draft_kv*KV + draft_per_token*(K+1) + draft_fixed)  "
+        "(eagle, draft_model)\n"
+        "         = [K>0]*ngram_fraction*verify                                  (ngram)\n"
+        "with KV = kv_tokens (less the step's own drafts and prompt chunk, which vLLM's "
+        "context counts), batched = num_decode_reqs + num_draft_tokens + "
+        "num_prefill_tokens, K = k_next; step_overhead = the mean inter_step_s - "
+        "step_latency_s of steps with decodes (the engine loop outside the step); the "
+        "knee by least squares (kept when it gains 2%); noise = the robust spread of "
+        "latency / fitted. Terms the records cannot separate (no K = 0, one K only) are 0, "
+        "named in the file's notes.\n\n"
+        "Acceptance: conditional per draft position from accepted_per_pos over the drafts "
+        "that reached it (a short draft counts as rejected); n-gram decodes without a "
+        "draft give ngram_match_prob.")
+    calibrate_cmd.add_argument("--parquet", required=True,
+                               help="telemetry folder (hive layout, as ingest writes it)")
+    calibrate_cmd.add_argument("--hardware-prefix", default=None,
+                               help="only records whose hardware starts with this (e.g. "
+                               "cpu2c.fixed for bench.real_serving's fixed:K arms)")
+    calibrate_cmd.add_argument("--engine", action="append", default=None, metavar="ID",
+                               help="only this engine_id (repeatable)")
+    calibrate_cmd.add_argument("--method", choices=DRAFT_METHODS, default=None,
+                               help="the twin drafter (default: from the records' drafter)")
+    calibrate_cmd.add_argument("--records-from", choices=("vllm", "twin"), default="vllm",
+                               help="who wrote the records: vLLM's hook counts a step's "
+                               "scheduled tokens in kv_tokens and times inter_step_s update "
+                               "to update, the twin neither (default vllm)")
+    calibrate_cmd.add_argument("--out", required=True, help="the profile (scenario TOML)")
+    calibrate_cmd.add_argument("--json", action="store_true",
+                               help="print the calibration as JSON")
+    calibrate_cmd.set_defaults(handler=run_calibrate)
 
     static = commands.add_parser(
         "static", help="SpecDecode-Bench's static-batch experiment: speedup of fixed K",
@@ -106,6 +149,41 @@ def run_twin(args: argparse.Namespace) -> int:
               f"TPOT p50 {_ms(row['tpot_ms_p50'])} p99 {_ms(row['tpot_ms_p99'])}  "
               f"TTFT p50 {_ms(row['ttft_ms_p50'])}  batch {row['mean_batch_size']:.1f}  "
               f"K {_shares(row['k_share'])}")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    try:
+        records = load_records(args.parquet, args.hardware_prefix, args.engine)
+        calibration = calibrate(records, method=args.method, source=args.records_from)
+        text = profile_toml(calibration, source=args.parquet)
+    except CalibrationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as exc:
+        print(f"error: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(calibration.to_dict(), indent=2))
+        return 0
+    fit = calibration.fit
+    r2 = "n/a" if fit["r2"] is None else f"{fit['r2']:.3f}"
+    print(f"{calibration.records} step records ({', '.join(calibration.identity['hardware'])})"
+          f" -> {args.out}")
+    print(f"  cost: R² {r2}, RMSE {fit['rmse_s'] * 1e3:.2f} ms on a mean "
+          f"{fit['mean_latency_s'] * 1e3:.2f} ms; K values {fit['k_next_values']}")
+    for name, value in calibration.cost_config().items():
+        if name != "profile":
+            print(f"    {name} = {value:.6g}")
+    print(f"  {calibration.method}: acceptance "
+          f"{[round(a, 3) for a in calibration.acceptance]}"
+          + (f", ngram_match_prob {calibration.ngram_match_prob:.3f}"
+             if calibration.method == "ngram" else ""))
+    for note in calibration.notes:
+        print(f"  note: {note}")
     return 0
 
 

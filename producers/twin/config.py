@@ -136,6 +136,9 @@ class PhaseConfig:
     """Closed loop: requests kept in the system (a finished one is replaced at once)."""
     rate_rps: float | None = None
     """Open loop: Poisson arrivals at this mean rate."""
+    max_concurrency: int | None = None
+    """With `rate_rps`: arrivals wait at the client while this many requests are in the
+    system, as vLLM's `bench serve --request-rate R --max-concurrency C` holds them."""
     trace: str | None = None
     """SpecDecode-Bench JSONL (absolute, or relative to the scenario file)."""
     acceptance: tuple[float, ...] | None = None
@@ -147,6 +150,9 @@ class PhaseConfig:
     """Mean generated tokens of parametric requests."""
     prompt_scale: float = 1.0
     """Multiplies prompt lengths (context-length drift)."""
+    length_range: float | None = None
+    """Parametric requests: prompt and output lengths uniform within this fraction of their
+    means (vLLM's random dataset, `--random-range-ratio`) instead of Gamma(shape 2)."""
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -159,6 +165,14 @@ class PhaseConfig:
             _at_least("concurrency", self.concurrency, 1)
         if self.rate_rps is not None:
             _positive("rate_rps", self.rate_rps)
+        if self.max_concurrency is not None:
+            if self.rate_rps is None:
+                raise ScenarioError("max_concurrency", "caps open-loop arrivals: give it "
+                                                       "with rate_rps")
+            _at_least("max_concurrency", self.max_concurrency, 1)
+        if self.length_range is not None and not 0.0 <= self.length_range < 1.0:
+            raise ScenarioError("length_range", f"must be >= 0 and < 1, got "
+                                                f"{self.length_range}")
         if self.trace is None and self.acceptance is None:
             raise ScenarioError("trace", "give a trace file or an acceptance profile")
         if self.acceptance is not None:

@@ -4,6 +4,10 @@ Closed loop (`concurrency`): at every step start the system is topped up to the 
 concurrency, so a finished request is replaced when the step that finished it ends.
 Open loop (`rate_rps`): a Poisson process whose rate is piecewise constant over the phases;
 a gap that would cross a phase boundary is redrawn from the boundary (exact, by memorylessness).
+With `max_concurrency` as well, arrivals wait at the client (in arrival order, each with its
+phase's request) and are sent at a step start while fewer than that many are in the system,
+as vLLM's `bench serve --max-concurrency` holds them; a sent request arrives when it is sent,
+and those still held when their phase ends are dropped (that phase's client has ended).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ class Traffic:
         self.end_s = end_s
         self.starts = [0.0, *accumulate(p.duration_s for p in phases)][:-1]
         self._concurrency = [p.concurrency for p in phases]
+        self._cap = [p.max_concurrency for p in phases]
+        self._capped = any(cap is not None for cap in self._cap)
+        self.held: list[Arrival] = []
+        """Arrivals waiting at the client for a slot (phases with `max_concurrency`)."""
         self.next_open_s = self._next_open_after(0.0)
 
     def phase_index(self, t_s: float) -> int:
@@ -58,11 +66,25 @@ class Traffic:
             arrival_s = self.next_open_s
             out.append(self._draw(arrival_s, self.phase_index(arrival_s)))
             self.next_open_s = self._next_open_after(arrival_s)
+        if self._capped:
+            out = self._release(t_s, in_system, out)
         index = self.phase_index(t_s)
         concurrency = self._concurrency[index]
         if concurrency is not None and concurrency - in_system - len(out) > 0:
             out.extend(self._draw(t_s, index) for _ in range(concurrency - in_system - len(out)))
         return out
+
+    def _release(self, t_s: float, in_system: int, new: list[Arrival]) -> list[Arrival]:
+        """Of the held and the new arrivals, those the client sends now (its cap is the
+        phase's at `t_s`; without one, all); they arrive at `t_s`."""
+        index = self.phase_index(t_s)
+        self.held.extend(new)
+        if self.held and self.held[0][1] != index:  # a phase's client ends with its phase
+            self.held = [arrival for arrival in self.held if arrival[1] == index]
+        cap = self._cap[index]
+        count = len(self.held) if cap is None else max(0, min(len(self.held), cap - in_system))
+        sent, self.held = self.held[:count], self.held[count:]
+        return [(t_s, phase, index) for _, phase, index in sent]
 
     def next_event_s(self, t_s: float) -> float:
         """When an idle engine has something to do again: an arrival or a phase change."""

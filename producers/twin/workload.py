@@ -91,11 +91,18 @@ def _load_trace_cached(path: str, _mtime_ns: int, acc_field: str) -> RequestPool
 
 def parametric_pool(acceptance: tuple[float, ...], *, prompt_len: float, output_len: float,
                     max_k: int, rng: np.random.Generator,
-                    requests: int = PARAMETRIC_POOL_REQUESTS) -> RequestPool:
-    """Synthetic requests: lengths ~ Gamma(shape 2) with the given means; per position,
-    acc_len = 1 + leading accepted drafts, position i accepted with conditional rate a_i."""
-    prompts = _gamma_lengths(rng, prompt_len, requests)
-    outputs = _gamma_lengths(rng, output_len, requests)
+                    requests: int = PARAMETRIC_POOL_REQUESTS,
+                    length_range: float | None = None) -> RequestPool:
+    """Synthetic requests: lengths ~ Gamma(shape 2) with the given means (with
+    `length_range` r: uniform integers in [mean·(1 − r), mean·(1 + r)], vLLM's random
+    dataset); per position, acc_len = 1 + leading accepted drafts, position i accepted with
+    conditional rate a_i."""
+    if length_range is None:
+        prompts = _gamma_lengths(rng, prompt_len, requests)
+        outputs = _gamma_lengths(rng, output_len, requests)
+    else:
+        prompts = _uniform_lengths(rng, prompt_len, length_range, requests)
+        outputs = _uniform_lengths(rng, output_len, length_range, requests)
     total = int(outputs.sum())
     positions = max(max_k, 1)
     rates = np.array([acceptance[min(i, len(acceptance) - 1)] for i in range(positions)])
@@ -122,12 +129,20 @@ def pool_for_phase(phase: PhaseConfig, *, method: str, max_k: int,
         log.warning("trace %s is missing; using the phase's acceptance profile", phase.trace)
     assert phase.acceptance is not None  # guaranteed by PhaseConfig
     return parametric_pool(phase.acceptance, prompt_len=phase.prompt_len * phase.prompt_scale,
-                           output_len=phase.output_len, max_k=max_k, rng=rng)
+                           output_len=phase.output_len, max_k=max_k, rng=rng,
+                           length_range=phase.length_range)
 
 
 def _gamma_lengths(rng: np.random.Generator, mean: float, count: int) -> np.ndarray:
     lengths = np.rint(rng.gamma(2.0, mean / 2.0, size=count))
     return np.clip(lengths, 1, max(1, int(8 * mean))).astype(np.int64)
+
+
+def _uniform_lengths(rng: np.random.Generator, mean: float, spread: float, count: int
+                     ) -> np.ndarray:
+    low = max(1, int(np.floor(mean * (1.0 - spread))))
+    high = max(low, int(np.ceil(mean * (1.0 + spread))))
+    return rng.integers(low, high + 1, size=count).astype(np.int64)
 
 
 def _pool(prompts: list[int], accs: list[list[int]], *, source: str) -> RequestPool:

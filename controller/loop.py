@@ -14,7 +14,8 @@ docs/TUNING.md):
 
 - settle: the drift shows while the old traffic's requests still run, so the stale table
   runs on for `reprofile_settle_s`; that stretch, its one unforced run in the new regime, is
-  the guardrail's baseline for the table the re-profile ends with;
+  the guardrail's baseline for the table the re-profile ends with (no watch when the
+  confirmation ran the stale table's K: its mirrored blocks already compared the two);
 - sweep: short blocks at every K, up and back down, measure what live steps censor
   (acceptance beyond the table's K, the cost of every K at the new load);
 - confirmation: the K a fit of the sweep picks and its neighbours run for long blocks in
@@ -74,6 +75,14 @@ ROLLBACK_OF = "rollback_of"
 """Provenance key of an envelope that puts an earlier table back after a guardrail verdict:
 the version it withdraws. A rollback is a new version, so a log replayed from the beginning
 folds to the same table as one followed live."""
+
+MIN_FIT_RECORDS = 200
+"""Fewer step records than this make no fit: the surface has a dozen coefficients per K."""
+
+MAX_PROFILE_STRETCH = 16
+"""A cold key's profile repeats with blocks up to this many times longer until it holds
+MIN_FIT_RECORDS: a slow engine (a few steps a second: a large model on few devices, or a CPU)
+ran only a handful of steps per 2 s block, and its key got no first table at all."""
 
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
@@ -181,9 +190,13 @@ class ClosedLoop:
                                     None if desired is None else desired.surface, now_s)
             self._note(now_s, "resume", version=self._active_version)
             return
-        blocks: list[int | None] = [*self.k_values] * cfg.profile_rounds
-        self._sweep = Sweep(blocks, [cfg.profile_block_s] * len(blocks), now_s)
-        self._note(now_s, "profile", blocks=len(blocks))
+        self._start_profile(now_s, cfg.profile_block_s)
+
+    def _start_profile(self, now_s: float, block_s: float, *,
+                       fit_since_s: float | None = None) -> None:
+        blocks: list[int | None] = [*self.k_values] * self.config.profile_rounds
+        self._sweep = Sweep(blocks, [block_s] * len(blocks), now_s, fit_since_s=fit_since_s)
+        self._note(now_s, "profile", blocks=len(blocks), block_s=block_s)
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
                 after_drift: bool = False) -> None:
@@ -279,7 +292,8 @@ class ClosedLoop:
                            min_gain=self.config.follow_up_min_gain, gain_z=0.0):
                 self._follow_up_s = None
         elif now_s >= self._next_refit_s:
-            self._refit(now_s, reason="periodic", force=False)
+            # a key without a table yet (its profile could not fit) takes the first fit
+            self._refit(now_s, reason="periodic", force=self.agent.state.newest_version == 0)
 
     # ---- live watching --------------------------------------------------------------------
     def _watch(self, steps: StepColumns, now_s: float) -> None:
@@ -338,6 +352,8 @@ class ClosedLoop:
             self._note(now_s, "reprofile_restarted", reason="the regime moved during it")
             self._start_reprofile(now_s, restarted=True)
             return
+        if index >= len(sweep.blocks) and self._profile_too_short(sweep, now_s):
+            return
         if index >= len(sweep.blocks):
             first = self.state is LoopState.PROFILING
             self._anchor = self._window(now_s, since_s=sweep.records_from_s)
@@ -371,6 +387,22 @@ class ClosedLoop:
             self._force(DraftTable.from_vllm([[1, self.limits.max_batch, k]]), now_s,
                         until_s=block_end_s + self.config.force_grace_s,
                         targets=sweep.targets)
+
+    def _profile_too_short(self, sweep: Sweep, now_s: float) -> bool:
+        """A cold key's profile that ended with too few records for a fit runs again, its
+        blocks longer by the shortfall (the first run's records are kept for the fit)."""
+        if self.state is not LoopState.PROFILING:
+            return False
+        records = self._window(now_s, since_s=sweep.records_from_s)
+        held = 0 if records is None else records.num_rows
+        block_s = sweep.block_s[0]
+        longest = self.config.profile_block_s * MAX_PROFILE_STRETCH
+        if held >= MIN_FIT_RECORDS or block_s >= longest:
+            return False
+        stretch = min(longest, block_s * 2 * MIN_FIT_RECORDS / max(held, 1))
+        self._note(now_s, "profile_extended", records=held, block_s=round(stretch, 2))
+        self._start_profile(now_s, stretch, fit_since_s=sweep.records_from_s)
+        return True
 
     def _plan_confirmation(self, sweep: Sweep, now_s: float) -> None:
         """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
@@ -429,7 +461,7 @@ class ClosedLoop:
         """The K a fit of the sweep's records puts first at the median batch size it ran
         (no tolerance: the confirmation is centred on the fit's best, not its cheapest)."""
         records = self._window(now_s, since_s=since_s)
-        if records is None or records.num_rows < 200:
+        if records is None or records.num_rows < MIN_FIT_RECORDS:
             return None
         envelope = self._fit(records, now_s, reason="confirm", version=1, half_life_s=None,
                              tolerance=0.0, k_values=self.k_values)
@@ -468,7 +500,7 @@ class ClosedLoop:
             records = self._window(now_s, since_s=min(steps_since_s,
                                                        records_since_s or steps_since_s))
             fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
-        if records is None or records.num_rows < 200:
+        if records is None or records.num_rows < MIN_FIT_RECORDS:
             return True
         version = self.agent.state.newest_version + 1
         envelope = self._fit(records, now_s, reason=reason, version=version,
@@ -489,7 +521,12 @@ class ClosedLoop:
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))
-        self.publish(envelope, now_s, guard=reason != "profile",
+        vetted = (k_values is not None and steps_since_s is not None
+                  and _ran_against(current, k_values, records, steps_since_s))
+        if vetted:
+            self._note(now_s, "unwatched", version=version, reason="the confirmation ran "
+                       "the replaced table's K beside the new pick")
+        self.publish(envelope, now_s, guard=reason != "profile" and not vetted,
                      after_drift=reason == "stale")
         if reason == "stale" and cfg.follow_up_s > 0:
             self._follow_up_s = now_s + cfg.follow_up_s
@@ -635,3 +672,16 @@ class ClosedLoop:
     def _note(self, now_s: float, what: str, **fields: Any) -> None:
         self.decisions.append({"t_s": round(now_s, 3), "what": what, **fields})
         log.debug("loop %s at %.1f s: %s", what, now_s, fields)
+
+
+def _ran_against(current: DraftTable, k_values: tuple[int, ...], records: pa.Table,
+                 since_s: float) -> bool:
+    """Whether a re-profile's confirmation ran `current`'s K (at the batch size it served
+    most) among `k_values`: the refit then chose against it in mirrored blocks of one
+    stretch, and a before/after watch against the settling stretch is the weaker evidence
+    (after a load jump goodput moves by more than a table does: docs/TUNING.md)."""
+    steps = records.filter(pc.greater_equal(records.column("ts_ns"), int(since_s * 1e9)))
+    if steps.num_rows == 0:
+        return False
+    batch = steps.column("batch_size").to_numpy().astype(np.int64)
+    return current.k_for(int(np.median(batch))) in k_values

@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from controller.sweep import confirmation_k_values, first_position_acceptance
 from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
-from producers.twin.config import DrafterConfig
+from producers.twin.config import CostConfig, DrafterConfig
 from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
@@ -109,15 +109,22 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > stale["t_s"])
     refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
     assert refit["reason"] == "stale"
-    # the refit's table is watched with the level shift its settling-stretch baseline carries
-    stage = next(d for d in decisions if d["what"] == "stage" and d["t_s"] >= refit["t_s"])
-    assert stage["watch"] == "after_drift"
     k_values = confirm["k_values"]
     assert len(k_values) == 3 and k_values == list(range(k_values[0], k_values[-1] + 1))
 
     config = policy.loop.config
     records = sink.table()
     ts = records.column("ts_ns").to_numpy() / 1e9
+    # the refit's table is watched against the settling stretch (with its level shift)
+    # unless the confirmation ran the stale table's K at the batch size it served most
+    stale_table = [table for at, _, table in policy.loop.applied if at <= stale["t_s"]][-1]
+    confirming = (ts >= confirm["t_s"]) & (ts < refit["t_s"])
+    batch = int(np.median(records.column("batch_size").to_numpy()[confirming]))
+    ran_stale_k = stale_table.k_for(batch) in k_values
+    stage = next(d for d in decisions if d["what"] == "stage" and d["t_s"] >= refit["t_s"])
+    assert stage["watch"] == (None if ran_stale_k else "after_drift")
+    assert any(d["what"] == "unwatched" and d["t_s"] == refit["t_s"]
+               for d in decisions) == ran_stale_k
     during = (ts >= stale["t_s"]) & (ts < refit["t_s"])
     forced = records.column("forced").to_numpy()[during]
     k_next = records.column("k_next").to_numpy()[during]
@@ -208,3 +215,23 @@ def test_first_position_acceptance_is_per_draft_whatever_the_k() -> None:
     mask = np.array([True, True, True, False])
     assert first_position_acceptance(records, mask, min_drafts=8) == 5 / 8
     assert first_position_acceptance(records, mask, min_drafts=9) is None
+
+
+def test_a_slow_engines_cold_key_profiles_longer_and_gets_its_first_table() -> None:
+    """Four steps a second (a large model on few devices, or a CPU engine): the profile's
+    2 s blocks hold too few steps for a fit; the loop runs it again with longer blocks and
+    publishes the first table from both runs, instead of leaving the key without one."""
+    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=16),
+                        cost=CostConfig(target_fixed=0.25), phases=(
+        PhaseConfig(duration_s=240, concurrency=16, acceptance=EAGLE, prompt_len=128,
+                    output_len=256),))
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    extended = [d for d in decisions if d["what"] == "profile_extended"]
+    assert extended and extended[0]["records"] < 200, decisions
+    first = next(d for d in decisions if d["what"] == "refit")
+    assert first["reason"] == "profile" and first["version"] == 1, decisions
+    assert [v for _, v, _ in policy.loop.applied][-1] >= 1

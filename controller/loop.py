@@ -390,7 +390,8 @@ class ClosedLoop:
 
     def _profile_too_short(self, sweep: Sweep, now_s: float) -> bool:
         """A cold key's profile that ended with too few records for a fit runs again, its
-        blocks longer by the shortfall (the first run's records are kept for the fit)."""
+        blocks longer by the shortfall (the first run's records are kept for the fit): a
+        first table within about a minute even at a few steps a second."""
         if self.state is not LoopState.PROFILING:
             return False
         records = self._window(now_s, since_s=sweep.records_from_s)
@@ -399,7 +400,8 @@ class ClosedLoop:
         longest = self.config.profile_block_s * MAX_PROFILE_STRETCH
         if held >= MIN_FIT_RECORDS or block_s >= longest:
             return False
-        stretch = min(longest, block_s * 2 * MIN_FIT_RECORDS / max(held, 1))
+        # sized for twice the minimum over both runs, at the rate the first one ran
+        stretch = min(longest, block_s * max(1.0, (2 * MIN_FIT_RECORDS - held) / max(held, 1)))
         self._note(now_s, "profile_extended", records=held, block_s=round(stretch, 2))
         self._start_profile(now_s, stretch, fit_since_s=sweep.records_from_s)
         return True

@@ -54,12 +54,12 @@ MAX_K = 4
 MAX_NUM_SEQS = 16
 ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
 DEFAULTS = {
-    # per phase: lead-in + measured window + drain (a request's latency, ~5-25 s); tabletune
-    # 60 + 50 s, others 5 + 25 s: ~7.5 min and ~3.5 min an arm with its server's start;
-    # 5 fixed x 1 + (static + tabletune) x 2 = 9 servers, ~40 min on 2 idle cores
-    # (--fixed-repeats 2: ~57 min)
-    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "measure_s": 50.0,
-             "fixed_measure_s": 25.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
+    # per phase: lead-in + measured window + drain (a request's latency, ~5-25 s), and a
+    # server start (~55 s) per arm; 5 fixed x 1 + (static + tabletune) x 2 = 9 servers. With
+    # tabletune 60 + 50 s and the others 5 + 25 s the run took 46.5 min on 2 idle cores (an
+    # arm 3.2-4.4 min, tabletune's 9 min); 60 + 40 and 5 + 20 fit 45
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "measure_s": 40.0,
+             "fixed_measure_s": 20.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
               "measure_s": 12.0, "fixed_measure_s": 6.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
               "refit_s": 10.0},
@@ -243,11 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lead-s", type=float, default=None,
                         help="tabletune: each phase is measured after this (default 60)")
     parser.add_argument("--measure-s", type=float, default=None,
-                        help="tabletune: then this long, before the drain (default 50)")
+                        help="tabletune: then this long, before the drain (default 40)")
     parser.add_argument("--fixed-lead-s", type=float, default=None,
                         help="other arms, whose tables never change: lead-in (default 5)")
     parser.add_argument("--fixed-measure-s", type=float, default=None,
-                        help="other arms: measured seconds per phase (default 25)")
+                        help="other arms: measured seconds per phase (default 20)")
     parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
                         help="the model pair's size (default small: see PAIRS in "
                              "bench/real_serving.py for what was measured)")

@@ -17,7 +17,7 @@ from typing import Protocol
 from kafka import KafkaProducer
 
 from controller.engine_feed import EngineFeed
-from fitter.kafka_clients import close_producer
+from fitter.kafka_clients import NEVER_BLOCK_BOOTSTRAP_MS, close_producer
 from schemas import TableControl, TableEnvelope
 from schemas.settings import Settings
 
@@ -101,8 +101,9 @@ class KafkaChannel:
             message = self._unsent[0]
             try:
                 if self._producer is None:
-                    self._producer = KafkaProducer(**settings.client_kwargs(),
-                                                   max_block_ms=2000, linger_ms=0)
+                    self._producer = KafkaProducer(
+                        **settings.client_kwargs(), max_block_ms=2000, linger_ms=0,
+                        bootstrap_timeout_ms=NEVER_BLOCK_BOOTSTRAP_MS)
                 self._producer.send(settings.topics.tables, key=str(message.key).encode(),
                                     value=message.to_json()).get(timeout=ACK_TIMEOUT_S)
             except Exception as exc:  # a broker outage: kept for the next try

@@ -15,7 +15,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from fitter.kafka_clients import close_producer
+from fitter.kafka_clients import NEVER_BLOCK_BOOTSTRAP_MS, close_producer
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ class StatusPublisher:
                     self._producer = None
                 self._broken = False
                 if self._producer is None:
-                    self._producer = KafkaProducer(**self.settings.client_kwargs(),
-                                                   max_block_ms=2000, linger_ms=5)
+                    self._producer = KafkaProducer(
+                        **self.settings.client_kwargs(), max_block_ms=2000, linger_ms=5,
+                        bootstrap_timeout_ms=NEVER_BLOCK_BOOTSTRAP_MS)
                 future = self._producer.send(self.settings.topics.status,
                                              key=self.engine_id.encode(),
                                              value=json.dumps(payload, default=str).encode())

@@ -18,6 +18,11 @@ from kafka.errors import KafkaError
 
 log = logging.getLogger(__name__)
 
+NEVER_BLOCK_BOOTSTRAP_MS = 2000
+"""`bootstrap_timeout_ms` of the producers that must not hold their caller (the telemetry
+sink, the status publisher, the control service's tables channel): kafka-python's 30 s
+default made creating one stall 30 s per try while the broker was down."""
+
 FORCED_CLOSE_S = 2.0
 """How long a forced close waits for the I/O thread to fail what is pending and exit; it is
 woken at once, so this bounds a stuck thread, it is not a wait."""

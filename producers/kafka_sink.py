@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from kafka import KafkaProducer
 
-from fitter.kafka_clients import close_producer
+from fitter.kafka_clients import NEVER_BLOCK_BOOTSTRAP_MS, close_producer
 from schemas import Frame, encode_frame
 from schemas.settings import Settings
 
@@ -177,6 +177,7 @@ class KafkaSink:
                 delivery_timeout_ms=int(self.config.send_timeout_s * 1000),
                 reconnect_backoff_max_ms=1000,
                 max_request_size=16 * 1024 * 1024,
+                bootstrap_timeout_ms=NEVER_BLOCK_BOOTSTRAP_MS,
             )
             self._producer_broken = False
         return self._producer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from controller import channel as channel_module
 from controller.channel import KafkaChannel
@@ -27,9 +28,12 @@ def test_messages_sent_while_the_broker_is_down_arrive_in_order_later(topic_sett
     monkeypatch.setattr(channel_module, "RETRY_S", 0.0)
     down = dataclasses.replace(topic_settings, bootstrap_servers=(f"127.0.0.1:{free_port()}",))
     channel = KafkaChannel(down)
+    started = time.monotonic()
     channel.send(control("force", 3))
     channel.send(control("force", 5))
     assert channel.unsent == 2 and channel.errors >= 1
+    # each try gives up within seconds (kafka-python's own bootstrap wait was 30 s a try)
+    assert time.monotonic() - started < 20.0
     channel.settings = topic_settings  # the broker is back
     channel.send(control("release"))
     assert channel.unsent == 0

@@ -370,9 +370,10 @@ class ClosedLoop:
         if index == sweep.index:
             return
         sweep.index = index
-        if index == 1 and sweep.fit_since_s is not None:
+        if index == 1 and sweep.blocks[0] is None and sweep.fit_since_s is not None:
             # the settling stretch ran long if its tick came late: the fits start where
-            # the first forced block really does
+            # the first forced block really does (a longer profile has none: its fits keep
+            # the first run's records)
             sweep.fit_since_s = sweep.started_s + sweep.late_s + sweep.block_s[0]
             self._data_since_s = max(self._data_since_s, sweep.fit_since_s)
         k = sweep.blocks[index]

@@ -234,4 +234,9 @@ def test_a_slow_engines_cold_key_profiles_longer_and_gets_its_first_table() -> N
     assert extended and extended[0]["records"] < 200, decisions
     first = next(d for d in decisions if d["what"] == "refit")
     assert first["reason"] == "profile" and first["version"] == 1, decisions
+    # the fit kept the first run's records: every step since the profile began, at the
+    # rate the first run held them
+    began = next(d for d in decisions if d["what"] == "profile")["t_s"]
+    rate = extended[0]["records"] / (extended[0]["t_s"] - began)
+    assert first["records"] >= 0.85 * rate * (first["t_s"] - began), decisions
     assert [v for _, v, _ in policy.loop.applied][-1] >= 1

@@ -12,7 +12,6 @@ import numpy as np
 
 from controller.cli_args import POSITIVE, SHARE, integer
 from producers.sinks import SinkError, check_kafka_sink
-from producers.twin.calibrate import CalibrationError, calibrate, load_records, profile_toml
 from producers.twin.config import DRAFT_METHODS, CostConfig, ScenarioError
 from producers.twin.cost import PROFILES, CostModel
 from producers.twin.policies import PolicyError, policy_usages
@@ -153,6 +152,10 @@ def run_twin(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    # polars, scipy and the dataset reader are a second of start-up that every other
+    # command (twin run above all) would pay
+    from producers.twin.calibrate import CalibrationError, calibrate, load_records, profile_toml
+
     try:
         records = load_records(args.parquet, args.hardware_prefix, args.engine)
         calibration = calibrate(records, method=args.method, source=args.records_from)

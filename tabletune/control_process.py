@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from tabletune.broker import stop_process
 
 READY_TIMEOUT_S = 90.0
 """Start-up reads the tables and status topics and imports the fitter: seconds on a busy
@@ -65,15 +66,7 @@ class ControlProcess:
         self.stop()
 
     def stop(self) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(self._process, STOP_TIMEOUT_S)
 
     def decisions(self) -> list[dict[str, Any]]:
         """Every decision of every key's loop, as the service wrote them at exit."""

@@ -65,7 +65,8 @@ def encode_frame(records: pa.Table | pa.RecordBatch, *, compression_level: int =
     table = records if isinstance(records, pa.Table) else pa.Table.from_batches([records])
     if table.num_rows == 0:
         raise ValueError("cannot frame zero records")
-    table = table.select(list(STEP_RECORD_SCHEMA.names)).cast(STEP_RECORD_SCHEMA)
+    if not table.schema.equals(STEP_RECORD_SCHEMA):  # a recorder's frame already is: 0.5 ms
+        table = table.select(list(STEP_RECORD_SCHEMA.names)).cast(STEP_RECORD_SCHEMA)
     engine_ids = table.column("engine_id").unique()
     if len(engine_ids) != 1:
         raise ValueError(f"a frame holds one engine's records, got {len(engine_ids)} engines")

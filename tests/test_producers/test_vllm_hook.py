@@ -41,16 +41,34 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def stock_outputs(tiny_model_dir: str, cache_dir: str) -> list[list[list[int]]]:
-    env = {**os.environ, **vllm_setup.engine_environment(cache_dir)}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    done = subprocess.run(
+def stock_run(tiny_model_dir: str, cache_dir: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """The stock-scheduler reference, started before the engine under test so that the two
+    start up side by side (each is seconds of imports on its own core)."""
+    # in-process like the engine under test: no engine-core and worker processes to start
+    env = {**os.environ, **vllm_setup.engine_environment(cache_dir),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    logs = tmp_path_factory.mktemp("stock")  # files, not pipes: nobody reads them meanwhile
+    run = subprocess.Popen(
         [sys.executable, "-m", "tests.test_producers.vllm_setup", tiny_model_dir,
          json.dumps(BATCHES)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
+        cwd=REPO, env=env, stdout=(logs / "stdout").open("w"),
+        stderr=(logs / "stderr").open("w"))
+    run.logs = logs  # type: ignore[attr-defined]
+    yield run
+    if run.poll() is None:
+        run.kill()
+        run.wait()
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(stock_run: subprocess.Popen, engine: tuple[object, object]
+                  ) -> list[list[list[int]]]:
+    stock_run.wait(timeout=300)
+    logs = stock_run.logs  # type: ignore[attr-defined]
+    lines = [line for line in (logs / "stdout").read_text().splitlines()
+             if line.startswith("RESULT ")]
+    assert stock_run.returncode == 0 and lines, (logs / "stderr").read_text()[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -76,7 +94,7 @@ def hook_broker() -> Iterator[BrokerHolder]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
-           stock_outputs: list) -> Iterator[tuple[object, object]]:
+           stock_run: subprocess.Popen) -> Iterator[tuple[object, object]]:
     env = {
         **vllm_setup.engine_environment(cache_dir),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -185,8 +185,9 @@ def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(se
 def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settings, tmp_path):
     # code_s: room after the kill and the force's expiry for the restart to serve live steps,
     # even when a busy machine slows the restarted process's start-up
+    # three engines (a canary of one, as of four): the fleet's steps are this test's time
     fleet = Fleet(ngram_chat_to_code(code_s=250), settings,
-                  FleetConfig(engines=4, speedup=SPEEDUP))
+                  FleetConfig(engines=3, speedup=SPEEDUP))
     first = ControlProcess(settings, tmp_path / "control-1.log").start()
     second = ControlProcess(settings, tmp_path / "control-2.log")
     try:

@@ -57,7 +57,12 @@ from controller.loop_config import LoopConfig
 from controller.refit_gate import predicted_gain
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
-from controller.sweep import Sweep, confirmation_k_values, first_position_acceptance
+from controller.sweep import (
+    CONFIRM_WIDTH,
+    Sweep,
+    confirmation_k_values,
+    first_position_acceptance,
+)
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope
 from schemas.control import new_control_id
@@ -83,6 +88,15 @@ MAX_PROFILE_STRETCH = 16
 """A cold key's profile repeats with blocks up to this many times longer until it holds
 MIN_FIT_RECORDS: a slow engine (a few steps a second: a large model on few devices, or a CPU)
 ran only a handful of steps per 2 s block, and its key got no first table at all."""
+
+REPROFILE_STEPS = 300
+"""A re-profile's sweep, and then its confirmation, each last long enough to hold this many
+steps of the engines they force, at their recent rate (1.5 x MIN_FIT_RECORDS: the rate moves
+with the K forced). At a few steps a second, 1 s sweep blocks held 4-8 steps each, the
+pick had no fit, and the re-profile ended with no table."""
+
+RATE_WINDOW_S = 30.0
+"""Telemetry seconds over which the forced engines' step rate is measured."""
 
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
@@ -332,13 +346,50 @@ class ClosedLoop:
         self._follow_up_s = None  # the re-profile's own refit schedules the next one
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
-        lengths = [cfg.reprofile_settle_s] + [cfg.reprofile_block_s] * len(ks)
-        self._sweep = Sweep(blocks, lengths, now_s, confirm=cfg.confirm_block_s > 0,
+        targets = self._canaries(now_s)
+        block_s, confirm_s = self._sized_for_steps(now_s, targets)
+        lengths = [cfg.reprofile_settle_s] + [block_s] * len(ks)
+        self._sweep = Sweep(blocks, lengths, now_s, confirm=confirm_s > 0,
                             fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted,
-                            targets=self._canaries(now_s))
-        self._note(now_s, "reprofile", targets=list(self._sweep.targets))
+                            targets=targets, confirm_block_s=confirm_s)
+        stretched = ({"block_s": round(block_s, 2), "confirm_block_s": round(confirm_s, 2)}
+                     if (block_s, confirm_s) != (cfg.reprofile_block_s, cfg.confirm_block_s)
+                     else {})
+        self._note(now_s, "reprofile", targets=list(self._sweep.targets), **stretched)
         self._data_since_s = now_s + cfg.reprofile_settle_s
         self.state = LoopState.REPROFILING
+
+    def _sized_for_steps(self, now_s: float, targets: tuple[str, ...]) -> tuple[float, float]:
+        """The re-profile's sweep block and confirmation run lengths: the configured ones,
+        longer (up to MAX_PROFILE_STRETCH times) where the engines to be forced ran too few
+        steps a second for REPROFILE_STEPS in the sweep and in the confirmation."""
+        cfg = self.config
+        rate = self._step_rate(now_s, targets)
+        if rate is None:
+            return cfg.reprofile_block_s, cfg.confirm_block_s
+
+        def sized(base_s: float, blocks: int) -> float:
+            return min(base_s * MAX_PROFILE_STRETCH, max(base_s, REPROFILE_STEPS / (rate * blocks)))
+
+        sweep_blocks = 2 * len(self.k_values)
+        confirm_runs = 2 * min(len(self.k_values), CONFIRM_WIDTH)
+        confirm_s = sized(cfg.confirm_block_s, confirm_runs) if cfg.confirm_block_s else 0.0
+        return sized(cfg.reprofile_block_s, sweep_blocks), confirm_s
+
+    def _step_rate(self, now_s: float, targets: tuple[str, ...]) -> float | None:
+        """Steps per telemetry second of `targets` (every engine when empty) over the last
+        RATE_WINDOW_S; None without steps to measure it on."""
+        records = self._window(now_s, since_s=now_s - RATE_WINDOW_S)
+        if records is None or records.num_rows < 2:
+            return None
+        if targets:
+            records = records.filter(pc.is_in(records.column("engine_id"),
+                                              value_set=pa.array(list(targets))))
+            if records.num_rows < 2:
+                return None
+        first_s = records.column("ts_ns")[0].as_py() / 1e9
+        span_s = now_s - max(first_s, now_s - RATE_WINDOW_S)
+        return records.num_rows / span_s if span_s > 0 else None
 
     # ---- sweeps ---------------------------------------------------------------------------
     def _advance_sweep(self, now_s: float) -> None:
@@ -410,7 +461,6 @@ class ClosedLoop:
     def _plan_confirmation(self, sweep: Sweep, now_s: float) -> None:
         """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
         a, b, c, c, b, a, so a trend over time cancels between them)."""
-        cfg = self.config
         sweep.confirm = False
         chosen = self._sweep_choice(now_s, since_s=sweep.records_from_s)
         if chosen is not None:
@@ -418,7 +468,7 @@ class ClosedLoop:
         runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
         sweep.confirm_started_s = now_s
         sweep.blocks += runs
-        sweep.block_s += [cfg.confirm_block_s] * len(runs)
+        sweep.block_s += [sweep.confirm_block_s] * len(runs)
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
 
     def _regime_moved(self, sweep: Sweep, now_s: float) -> bool:
@@ -438,7 +488,7 @@ class ClosedLoop:
             return False
         seconds = records.column("ts_ns").to_numpy() / 1e9
         before = seconds < sweep.confirm_started_s
-        run_s = self.config.confirm_block_s
+        run_s = sweep.confirm_block_s
         # the load from the last run's last quarter: a jump in its last seconds would not
         # move the median of all of it
         latest = seconds >= now_s - run_s / 4

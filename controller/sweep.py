@@ -25,8 +25,12 @@ def first_position_acceptance(records: pa.Table, mask: np.ndarray,
     return float(first.sum() / drafts[chosen].sum())
 
 
+CONFIRM_WIDTH = 3
+"""K values a re-profile's confirmation runs: the sweep's pick and a neighbour each side."""
+
+
 def confirmation_k_values(k_values: tuple[int, ...], chosen: int,
-                          width: int = 3) -> tuple[int, ...]:
+                          width: int = CONFIRM_WIDTH) -> tuple[int, ...]:
     """The `width` neighbouring K values of `k_values` around the sweep's pick `chosen`,
     shifted inward at either end of the set rather than cut short: the short sweep's pick is
     one K off often enough that the best K must be able to lie on either side of it."""
@@ -55,6 +59,8 @@ class Sweep:
     """This re-profile is the second for one `stale`: the regime moved under the first."""
     targets: tuple[str, ...] = ()
     """The engines it forces (the canaries); empty: every engine of the key."""
+    confirm_block_s: float = 0.0
+    """Length of each confirmation run (a slow engine's are longer than configured)."""
 
     late_s: float = 0.0
     """How far the blocks run behind their plan: a tick that came after a whole block's

@@ -240,3 +240,33 @@ def test_a_slow_engines_cold_key_profiles_longer_and_gets_its_first_table() -> N
     rate = extended[0]["records"] / (extended[0]["t_s"] - began)
     assert first["records"] >= 0.85 * rate * (first["t_s"] - began), decisions
     assert [v for _, v, _ in policy.loop.applied][-1] >= 1
+
+
+def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_table() -> None:
+    """About three steps a second, then acceptance falls from EAGLE's to 0.2 a position
+    (the best K from 3 to 1): the re-profile's 1 s blocks would hold three steps each, too
+    few for the pick's fit, and it ended with no table, again at every `stale`. Its blocks
+    and runs are sized by the steps the engine ran, and its table beats the stale one."""
+    low = (0.2,) * 7
+    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=16),
+                        cost=CostConfig(target_fixed=0.15, target_batched=0.002), phases=(
+        PhaseConfig(name="eagle", duration_s=240, concurrency=16, acceptance=EAGLE,
+                    prompt_len=128, output_len=256),
+        PhaseConfig(name="low", duration_s=360, concurrency=16, acceptance=low,
+                    prompt_len=128, output_len=256)))
+    policy = TabletunePolicy()
+    tt = run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    reprofile = next(d for d in decisions if d["what"] == "reprofile" and d["t_s"] > 240)
+    # 300 steps over the sweep's 16 blocks, and over the confirmation's 6 runs
+    assert 3.0 <= reprofile["block_s"] <= 10.0 and 8.0 <= reprofile["confirm_block_s"] <= 30.0
+    confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > reprofile["t_s"])
+    assert len(confirm["k_values"]) == 3, decisions
+    refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
+    assert refit["reason"] == "stale" and refit["version"] == 2, decisions
+    stale = [table for at, _, table in policy.loop.applied if at <= 240.0][-1]
+    fixed = run_scenario(scenario, StaticTable(stale, name="stale"))
+    tt_rate, stale_rate = rate(tt, refit["t_s"], 600.0), rate(fixed, refit["t_s"], 600.0)
+    assert tt_rate > 1.05 * stale_rate, (tt_rate, stale_rate, decisions)

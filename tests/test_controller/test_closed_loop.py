@@ -4,6 +4,8 @@ tabletune beats the table it ran before the drift, held fixed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -68,6 +70,16 @@ def ngram_chat_to_code(code_s: float = 160, code_c8_s: float = 0, chat_again_s: 
         code, *later))
 
 
+def tabletune_and_stale(scenario: Scenario, drift_s: float) -> tuple[TabletunePolicy, Any, Any]:
+    """The scenario under TableTune, and under the table it ran when the drift came, held."""
+    policy = TabletunePolicy()
+    tt = run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    stale = [table for at, _, table in policy.loop.applied if at <= drift_s][-1]
+    return policy, tt, run_scenario(scenario, StaticTable(stale, name="stale"))
+
+
 def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
     """EAGLE, 8 users then 64: the table fitted at 8 (long drafts) is wrong at 64."""
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128), phases=(
@@ -75,12 +87,7 @@ def test_tabletune_beats_the_stale_table_after_a_drift() -> None:
                     prompt_len=355, output_len=300),
         PhaseConfig(name="c64", duration_s=100, concurrency=64, acceptance=EAGLE,
                     prompt_len=355, output_len=300)))
-    policy = TabletunePolicy()
-    tt = run_scenario(scenario, policy)
-    policy.close()
-    assert policy.loop is not None
-    stale = [table for at, _, table in policy.loop.applied if at <= 70.0][-1]
-    fixed = run_scenario(scenario, StaticTable(stale, name="stale"))
+    policy, tt, fixed = tabletune_and_stale(scenario, drift_s=70.0)
     tt_rate, stale_rate = rate(tt, 120.0, 170.0), rate(fixed, 120.0, 170.0)
     assert tt_rate > 1.02 * stale_rate, (tt_rate, stale_rate, policy.loop.decisions)
 
@@ -254,10 +261,7 @@ def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_tabl
                     prompt_len=128, output_len=256),
         PhaseConfig(name="low", duration_s=360, concurrency=16, acceptance=low,
                     prompt_len=128, output_len=256)))
-    policy = TabletunePolicy()
-    tt = run_scenario(scenario, policy)
-    policy.close()
-    assert policy.loop is not None
+    policy, tt, fixed = tabletune_and_stale(scenario, drift_s=240.0)
     decisions = policy.loop.decisions
     reprofile = next(d for d in decisions if d["what"] == "reprofile" and d["t_s"] > 240)
     # 300 steps over the sweep's 16 blocks, and over the confirmation's 6 runs
@@ -266,7 +270,5 @@ def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_tabl
     assert len(confirm["k_values"]) == 3, decisions
     refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
     assert refit["reason"] == "stale" and refit["version"] == 2, decisions
-    stale = [table for at, _, table in policy.loop.applied if at <= 240.0][-1]
-    fixed = run_scenario(scenario, StaticTable(stale, name="stale"))
     tt_rate, stale_rate = rate(tt, refit["t_s"], 600.0), rate(fixed, refit["t_s"], 600.0)
     assert tt_rate > 1.05 * stale_rate, (tt_rate, stale_rate, decisions)

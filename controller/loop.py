@@ -87,7 +87,8 @@ MIN_FIT_RECORDS = 200
 MAX_PROFILE_STRETCH = 16
 """A cold key's profile repeats with blocks up to this many times longer until it holds
 MIN_FIT_RECORDS: a slow engine (a few steps a second: a large model on few devices, or a CPU)
-ran only a handful of steps per 2 s block, and its key got no first table at all."""
+ran only a handful of steps per 2 s block, and its key got no first table at all. A
+re-profile's blocks stretch at most as far (REPROFILE_STEPS)."""
 
 REPROFILE_STEPS = 300
 """A re-profile's sweep, and then its confirmation, each last long enough to hold this many

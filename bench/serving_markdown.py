@@ -30,7 +30,7 @@ def write_markdown(result: dict[str, Any], path: Path, plot_names: list[str]) ->
         f"0..{setup['max_k']}). Load: vLLM's client (`vllm bench serve` through its module), "
         "random prompts, Poisson arrivals, capped in flight; the phases back "
         "to back in one server's life, a fresh server per arm and repeat, the arm order "
-        "reversed on even repeats.", "",
+        "reversed on even repeats and the fixed arms spread between the others.", "",
         "| phase | load | prompts, s (tabletune) | prompts, s (other arms) |",
         "| --- | --- | --- | --- |"]
     for phase in setup["phases"]:

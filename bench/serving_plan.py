@@ -147,13 +147,22 @@ class Slot:
 
 def schedule(arms: list[str], repeats: int, fixed_repeats: int) -> list[Slot]:
     """Every arm once per repeat, in the given order on odd repeats and reversed on even
-    ones; `fixed:K` arms only in the first `fixed_repeats` repeats."""
-    slots = []
+    ones; `fixed:K` arms only in the first `fixed_repeats` repeats, spread evenly between
+    the others rather than run in one block first: at 212f7a6 the later arms' steps ran
+    ~10% slower at the same work than the fixed arms' had, all run first."""
+    fixed: list[Slot] = []
+    others: list[Slot] = []
     for repeat in range(1, repeats + 1):
         order = arms if repeat % 2 == 1 else list(reversed(arms))
-        slots += [Slot(repeat, arm) for arm in order
-                  if not (arm.startswith("fixed:") and repeat > fixed_repeats)]
-    return slots
+        for arm in order:
+            if not arm.startswith("fixed:"):
+                others.append(Slot(repeat, arm))
+            elif repeat <= fixed_repeats:
+                fixed.append(Slot(repeat, arm))
+    # each slot at the middle of its share of the run; a fixed arm first on a tie
+    placed = [((i + 0.5) / len(fixed), 0, slot) for i, slot in enumerate(fixed)]
+    placed += [((j + 0.5) / len(others), 1, slot) for j, slot in enumerate(others)]
+    return [slot for _, _, slot in sorted(placed, key=lambda p: (p[0], p[1]))]
 
 
 def plan_dict(phases: tuple[Phase, ...]) -> list[dict[str, Any]]:

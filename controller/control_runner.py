@@ -92,7 +92,7 @@ class ControlRunner:
     def run(self, timeout_s: float | None = None) -> None:
         """Serve until `stop()` (or `timeout_s` of wall time, for tests)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        check_with_vllm(DraftTable.from_vllm([[1, 1, 0]]))  # imports vLLM's validator now, not at the first table
+        check_with_vllm(DraftTable.from_vllm([[1, 1, 0]]))  # loads vLLM's validator now, not at the first table
         topics = self.settings.topics
         tables = self._reader(topics.tables, from_beginning=True)
         status = self._reader(topics.status, from_beginning=True)

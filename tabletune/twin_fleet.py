@@ -88,7 +88,7 @@ class Fleet:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Fleet:
-        check_with_vllm(VLLM_DOC_TABLE)  # vLLM's validator imports in seconds: not mid-run
+        check_with_vllm(VLLM_DOC_TABLE)  # loads vLLM's validator now, not mid-run
         epoch_s = self.epoch_s = time.time()
         self.engines = [_FleetEngine(engine_scenario(self.scenario, i), self.settings, self.config,
                                      epoch_s) for i in range(self.config.engines)]

@@ -41,34 +41,33 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def stock_run(tiny_model_dir: str, cache_dir: str,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    """The stock-scheduler reference, started before the engine under test so that the two
-    start up side by side (each is seconds of imports on its own core)."""
+def stock_run(tiny_model_dir: str, cache_dir: str, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The stock-scheduler reference and the folder of its stdout and stderr, started before
+    the engine under test so that the two start up side by side (each is seconds of imports
+    on its own core)."""
     # in-process like the engine under test: no engine-core and worker processes to start
     env = {**os.environ, **vllm_setup.engine_environment(cache_dir),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     logs = tmp_path_factory.mktemp("stock")  # files, not pipes: nobody reads them meanwhile
-    run = subprocess.Popen(
-        [sys.executable, "-m", "tests.test_producers.vllm_setup", tiny_model_dir,
-         json.dumps(BATCHES)],
-        cwd=REPO, env=env, stdout=(logs / "stdout").open("w"),
-        stderr=(logs / "stderr").open("w"))
-    run.logs = logs  # type: ignore[attr-defined]
-    yield run
+    with (logs / "stdout").open("w") as stdout, (logs / "stderr").open("w") as stderr:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "tests.test_producers.vllm_setup", tiny_model_dir,
+             json.dumps(BATCHES)], cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+    yield run, logs
     if run.poll() is None:
         run.kill()
         run.wait()
 
 
 @pytest.fixture(scope="module")
-def stock_outputs(stock_run: subprocess.Popen, engine: tuple[object, object]
+def stock_outputs(stock_run: tuple[subprocess.Popen, Path], engine: tuple[object, object]
                   ) -> list[list[list[int]]]:
-    stock_run.wait(timeout=300)
-    logs = stock_run.logs  # type: ignore[attr-defined]
+    run, logs = stock_run
+    run.wait(timeout=300)
     lines = [line for line in (logs / "stdout").read_text().splitlines()
              if line.startswith("RESULT ")]
-    assert stock_run.returncode == 0 and lines, (logs / "stderr").read_text()[-3000:]
+    assert run.returncode == 0 and lines, (logs / "stderr").read_text()[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -94,7 +93,7 @@ def hook_broker() -> Iterator[BrokerHolder]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: str, cache_dir: str, hook_broker: BrokerHolder,
-           stock_run: subprocess.Popen) -> Iterator[tuple[object, object]]:
+           stock_run: tuple[subprocess.Popen, Path]) -> Iterator[tuple[object, object]]:
     env = {
         **vllm_setup.engine_environment(cache_dir),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

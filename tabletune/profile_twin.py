@@ -133,8 +133,8 @@ class ProfilePolicy(Policy):
         # only supplies the workload). Lowering it aborts the surplus, as a load client
         # closing connections would: left to drain, the survivors would fill the cell with a
         # shrinking batch of the longest requests, whose acceptance is nothing like the mix's.
-        engine.traffic.phases = (dataclasses.replace(self._phase, concurrency=cell.concurrency,
-                                                     rate_rps=None),)
+        engine.traffic.set_phases((dataclasses.replace(
+            self._phase, concurrency=cell.concurrency, rate_rps=None),), engine.clock_s)
         surplus = engine.batch.n + len(engine.waiting) - cell.concurrency
         if surplus > 0:
             engine.abort(surplus)

@@ -40,13 +40,29 @@ class Traffic:
         (common random numbers: a paired comparison of policies compares the policies, not
         the traffic)."""
         self.end_s = end_s
+        self.held: list[Arrival] = []
+        """Arrivals waiting at the client for a slot (phases with `max_concurrency`)."""
+        self._load(phases)
+        self.next_open_s = self._next_open_after(0.0)
+
+    def set_phases(self, phases: tuple[PhaseConfig, ...], now_s: float) -> None:
+        """Change the load from `now_s` on (the profiler sets each cell's concurrency so):
+        the same number of phases, with the same pools; the next open-loop arrival is
+        redrawn only where a rate changed."""
+        if len(phases) != len(self.phases):
+            raise ValueError(f"{len(phases)} phases in place of {len(self.phases)}")
+        rates_changed = [p.rate_rps for p in phases] != [p.rate_rps for p in self.phases]
+        self.phases = phases
+        self._load(phases)
+        if rates_changed:
+            self.next_open_s = self._next_open_after(now_s)
+
+    def _load(self, phases: tuple[PhaseConfig, ...]) -> None:
+        """Per-phase lookups `arrivals` reads every step (set with the phases, never apart)."""
         self.starts = [0.0, *accumulate(p.duration_s for p in phases)][:-1]
         self._concurrency = [p.concurrency for p in phases]
         self._cap = [p.max_concurrency for p in phases]
         self._capped = any(cap is not None for cap in self._cap)
-        self.held: list[Arrival] = []
-        """Arrivals waiting at the client for a slot (phases with `max_concurrency`)."""
-        self.next_open_s = self._next_open_after(0.0)
 
     def phase_index(self, t_s: float) -> int:
         """Phase in effect at `t_s`; the last phase lasts until the run ends."""

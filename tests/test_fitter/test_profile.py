@@ -135,3 +135,18 @@ def test_lowering_the_load_aborts_the_surplus_instead_of_draining_it(tmp_path):
         inside = (ts_s >= cell.start_s) & (ts_s < cell.end_s - 1e-6)  # ts_ns truncates
         assert inside.any() and batch[inside].max() <= cell.cell.concurrency
     assert lowered >= 1
+
+
+def test_each_cell_runs_at_its_own_concurrency(tmp_path):
+    """The load follows the cell: a raised concurrency fills the batch (at 33a1ceb the twin's
+    traffic kept the first cell's load for the whole sweep, and the tables came out flat)."""
+    sink_dir = tmp_path / "telemetry"
+    result = profile(_parametric_scenario(), budget_s=24.0, cells=8, sink=FileSink(sink_dir))
+    records = read_file_sink(sink_dir)
+    ts_s = np.asarray(records.column("ts_ns")) * 1e-9
+    batch = np.asarray(records.column("batch_size"))
+    concurrencies = {run.cell.concurrency for run in result.cells}
+    assert len(concurrencies) >= 3
+    for run in result.cells:
+        inside = (ts_s >= run.start_s) & (ts_s < run.end_s - 1e-6)
+        assert batch[inside].max() == min(run.cell.concurrency, 64), run.to_dict()

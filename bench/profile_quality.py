@@ -9,6 +9,12 @@ at every load and >= 99% on average. Prints one JSON object; with --out also wri
 `profile_quality.json`, `profile_quality.md` and the profiled tables.
 
     .venv/bin/python bench/profile_quality.py [--quick] [--out DIR]
+    .venv/bin/python -m bench.profile_quality --shapes all --traces sharegpt --out DIR
+
+`--shapes`: the same on GPU-shaped latency tables (`producers.twin.gpu_shapes`: staircase,
+plateau, eager-jump, drafter-growth) besides or instead of the linear H100 model (`linear`;
+`all` is both), one row per shape x trace x drafter; each table is written as CSV beside
+the profiled table and runs as `[cost] table`. `tabletune bench` reports the file's figure.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench.common import emit  # noqa: E402
 from producers.twin import PhaseConfig, Scenario, run_scenario  # noqa: E402
 from producers.twin.config import CostConfig, DrafterConfig, EngineConfig  # noqa: E402
+from producers.twin.gpu_shapes import SHAPES, gpu_shaped_table  # noqa: E402
+from producers.twin.latency_table import write_latency_table  # noqa: E402
 from producers.twin.static import ngram_match_prob_for  # noqa: E402
 from tabletune.profile import DEFAULT_BUDGET_S, profile  # noqa: E402
 
@@ -45,12 +53,13 @@ FALLBACK_ACCEPTANCE = {  # docs/TWIN.md conditional rates, used only without the
 
 
 def scenario(trace: str, method: str, concurrency: int, duration_s: float,
-             seed: int) -> Scenario:
+             seed: int, cost_table: Path | None = None) -> Scenario:
     path = DATA / f"{trace}.jsonl"
     return Scenario(
         seed=seed, name=f"{trace}-{method}",
         engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_k=MAX_K),
-        cost=CostConfig(profile="h100-llama3.1-8b"),
+        cost=(CostConfig(profile="h100-llama3.1-8b") if cost_table is None
+              else CostConfig(table=str(cost_table))),
         drafter=DrafterConfig(method=method, ngram_match_prob=ngram_match_prob_for(path)
                               if method == "ngram" else 1.0),
         phases=(PhaseConfig(duration_s=duration_s, concurrency=concurrency, trace=str(path),
@@ -58,16 +67,22 @@ def scenario(trace: str, method: str, concurrency: int, duration_s: float,
 
 
 def measure(trace: str, method: str, *, loads: tuple[int, ...], duration_s: float,
-            budget_s: float, seed: int, table_dir: Path) -> dict[str, Any]:
+            budget_s: float, seed: int, table_dir: Path,
+            shape: str | None = None) -> dict[str, Any]:
     """Profile once, then every load under the table and under each fixed K."""
     started = time.monotonic()
-    result = profile(scenario(trace, method, loads[0], duration_s, seed + 1000),
+    cost_table = None
+    if shape is not None:
+        cost_table = table_dir / f"{shape}-{method}.csv"
+        cost_table.parent.mkdir(parents=True, exist_ok=True)
+        write_latency_table(gpu_shaped_table(shape, method, max_k=MAX_K), cost_table)
+    result = profile(scenario(trace, method, loads[0], duration_s, seed + 1000, cost_table),
                      budget_s=budget_s, out_dir=table_dir)
     profile_wall = time.monotonic() - started
     table_policy = f"table:{result.path}"
     rows = []
     for load in loads:
-        case = scenario(trace, method, load, duration_s, seed)
+        case = scenario(trace, method, load, duration_s, seed, cost_table)
         fixed = {k: run_scenario(case, f"fixed:{k}").output_tokens_per_s
                  for k in range(MAX_K + 1)}
         table = run_scenario(case, table_policy).output_tokens_per_s
@@ -77,7 +92,8 @@ def measure(trace: str, method: str, *, loads: tuple[int, ...], duration_s: floa
                      "ratio": round(table / fixed[best_k], 4),
                      "fixed_tok_s": {str(k): round(v, 1) for k, v in fixed.items()}})
     ratios = [r["ratio"] for r in rows]
-    return {"trace": trace, "method": method, "table": result.envelope.table.to_vllm(),
+    return {"trace": trace, "method": method, "shape": shape or "linear",
+            "table": result.envelope.table.to_vllm(),
             "profile_engine_s": round(result.engine_time_s, 2),
             "profile_wall_s": round(profile_wall, 2), "profile_records": result.records,
             "mean_ratio": round(statistics.fmean(ratios), 4), "worst_ratio": min(ratios),
@@ -86,12 +102,13 @@ def measure(trace: str, method: str, *, loads: tuple[int, ...], duration_s: floa
 
 
 def markdown(results: list[dict[str, Any]], loads: tuple[int, ...]) -> str:
-    header = ("| trace | drafter | " + " | ".join(f"c={c}" for c in loads)
+    header = ("| cost | trace | drafter | " + " | ".join(f"c={c}" for c in loads)
               + " | mean | worst | profile engine s | wall s |")
-    lines = [header, "|" + "---|" * (len(loads) + 6)]
+    lines = [header, "|" + "---|" * (len(loads) + 7)]
     for r in results:
         cells = " | ".join(f"{row['ratio']:.3f} (K{row['best_fixed_k']})" for row in r["loads"])
-        lines.append(f"| {r['trace']} | {r['method']} | {cells} | {r['mean_ratio']:.4f} | "
+        lines.append(f"| {r['shape']} | {r['trace']} | {r['method']} | {cells} | "
+                     f"{r['mean_ratio']:.4f} | "
                      f"{r['worst_ratio']:.4f} | {r['profile_engine_s']:g} | "
                      f"{r['profile_wall_s']:g} |")
     return "\n".join(lines) + "\n"
@@ -107,21 +124,31 @@ def main(argv: list[str] | None = None) -> int:
                         help="virtual seconds per evaluation run (default 180; quick 30)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"profile budget, engine seconds (default {DEFAULT_BUDGET_S:g})")
+    parser.add_argument("--shapes", nargs="+", choices=("linear", *SHAPES, "all"),
+                        default=None,
+                        help="latency shapes: linear (the H100 coefficients, the default), "
+                        "the GPU-shaped tables, or all of them")
+    parser.add_argument("--loads", type=int, nargs="+", default=None,
+                        help=f"concurrencies (default {' '.join(map(str, CONCURRENCIES))})")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None, help="write JSON, markdown and tables here")
     args = parser.parse_args(argv)
     traces = tuple(args.traces or (("sharegpt",) if args.quick else TRACES))
     methods = tuple(args.methods or METHODS)
-    loads = (1, 8, 64, 256) if args.quick else CONCURRENCIES
+    loads = tuple(args.loads or ((1, 8, 64, 256) if args.quick else CONCURRENCIES))
+    chosen = ("linear", *SHAPES) if "all" in (args.shapes or ()) else (args.shapes or ("linear",))
+    shapes = tuple(None if shape == "linear" else shape for shape in chosen)
     duration = args.duration or (30.0 if args.quick else 180.0)
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="profile-quality-"))
     started = time.monotonic()
     results = [measure(trace, method, loads=loads, duration_s=duration,
-                       budget_s=args.budget_s, seed=args.seed,
-                       table_dir=base / "tables" / f"{trace}-{method}")
-               for trace in traces for method in methods]
+                       budget_s=args.budget_s, seed=args.seed, shape=shape,
+                       table_dir=base / "tables" / f"{shape or 'linear'}-{trace}-{method}")
+               for shape in shapes for trace in traces for method in methods]
     ratios = [row["ratio"] for r in results for row in r["loads"]]
     summary = {
+        "command": "python -m bench.profile_quality " + " ".join(
+            sys.argv[1:] if argv is None else argv),
         "traces_found": DATA.exists(), "duration_s": duration, "budget_s": args.budget_s,
         "seed": args.seed, "mean_ratio": round(statistics.fmean(ratios), 4),
         "worst_ratio": min(ratios), "all_meet_target": all(r["meets_target"] for r in results),

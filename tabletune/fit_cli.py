@@ -46,6 +46,10 @@ def register(commands: Any) -> None:
     profile.add_argument("--sink", default=None,
                          help="twin: also send the profile's telemetry to kafka://host:port "
                          "or file:///dir")
+    profile.add_argument("--cost-table", default=None, metavar="CSV",
+                         help="twin: step latencies measured on your GPU "
+                         "(batched_tokens,kv_tokens,k,latency_s; docs/TWIN.md) in place of "
+                         "the scenario's cost model")
     profile.add_argument("--model", default=None, help="openai: model name to request")
     profile.add_argument("--prompts", default=None,
                          help="openai: a file with one prompt per line (default: generated)")
@@ -124,6 +128,12 @@ def run_profile(args: argparse.Namespace) -> int:
     elif args.bootstrap or args.key or args.k_values:
         print("error: tabletune profile: --bootstrap, --key and --k-values only apply to "
               "openai:URL", file=sys.stderr)
+        return EXIT_USAGE
+    else:
+        options = {"cost_table": args.cost_table} if args.cost_table else {}
+    if args.cost_table and args.engine.startswith("openai:"):
+        print("error: tabletune profile: --cost-table only applies to twin:SCENARIO (a real "
+              "engine's latencies are its own)", file=sys.stderr)
         return EXIT_USAGE
     if args.sink:
         check_kafka_sink(args.sink)

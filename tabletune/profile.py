@@ -28,7 +28,7 @@ from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.profile_plan import DEFAULT_CONCURRENCIES, concurrency_levels
 from fitter.surface.fit import fit_surface
 from producers.recorder import Sink
-from producers.twin.config import Scenario
+from producers.twin.config import CostConfig, Scenario
 from producers.twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 from schemas import TableEnvelope, TableKey
 from tabletune.profile_twin import CellRun, ProgressCallback, run_twin_profile
@@ -86,19 +86,22 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
             concurrencies: Sequence[int] = DEFAULT_CONCURRENCIES,
             tolerance: float = DEFAULT_TOLERANCE, version: int = 1,
             sink: Sink | None = None, on_progress: ProgressCallback | None = None,
-            **openai_options: Any) -> ProfileResult:
+            cost_table: str | Path | None = None, **openai_options: Any) -> ProfileResult:
     """Profile a cold engine and derive its first table; write `out_dir/table.json`.
 
     `engine` is `twin:SCENARIO`, a `Scenario`, or `openai:URL` (then `openai_options` go to
     `tabletune.profile_openai.profile_openai`). `max_k` defaults to the engine's startup K;
     `budget_s` is engine time; `cells` how many cells share it; `sink` receives the profile's
-    telemetry as well (twin only).
+    telemetry as well (twin only); `cost_table` (twin only): a measured latency CSV that
+    replaces the scenario's cost model (its noise stays).
     """
     if budget_s <= 0:
         raise ProfileError(f"budget_s={budget_s} must be > 0")
     if cells < 1:
         raise ProfileError(f"cells={cells} must be >= 1")
     if isinstance(engine, str) and engine.startswith("openai:"):
+        if cost_table is not None:
+            raise ProfileError("cost_table only applies to twin engines")
         from tabletune.profile_openai import profile_openai
 
         return profile_openai(engine.removeprefix("openai:"), max_k=max_k, budget_s=budget_s,
@@ -113,6 +116,9 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
         scenario = resolve_twin_scenario(engine.removeprefix("twin:"))
     else:
         scenario = engine
+    if cost_table is not None:
+        scenario = dataclasses.replace(scenario, cost=CostConfig(
+            table=str(Path(cost_table).resolve()), noise=scenario.cost.noise))
     limits = scenario.engine
     top_k = limits.max_k if max_k is None else max_k
     if not 0 <= top_k <= limits.max_k:

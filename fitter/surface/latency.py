@@ -1,15 +1,18 @@
-"""Step-latency model T(B, K, context): monotone piecewise-linear in batched tokens.
+"""Step-latency model T(B, K, context): monotone in batched tokens, ramps and jumps.
 
 Shape, and why. A verify forward is memory-bound (flat in batched tokens: weights are read
-once however many tokens ride along) up to a knee, then compute-bound (linear in tokens);
-real GPUs add wave-quantisation steps in between. A sum of non-negative *segment ramps* over
-knots in batched tokens represents all of these - flat, knee, slope, several slopes - and is
-non-decreasing by construction; it is not restricted to be linear (the twin's H100 model is
-linear, real hardware is not) nor convex. Attention adds time per KV token (and per KV token
-per extra query position), the drafter adds a fixed launch cost when it runs plus a cost per
-draft pass. Because batched tokens = decode_reqs + draft tokens + prefill tokens is shared
-by all K, a K never seen in telemetry is predicted from the batched-token curve learned at
-other (B, K) cells - that is how the model extrapolates under censoring.
+once however many tokens ride along) up to a knee, then compute-bound (linear in tokens); a
+GPU adds steps: CUDA graphs pad a batch to the next capture size, and a batch past the
+largest one runs eager and jumps. A sum of non-negative *segment ramps* over knots in
+batched tokens (flat, knee, slope, several slopes) plus non-negative *steps* at the same
+knots (padding, the eager jump) represents all of these and is non-decreasing by
+construction; it is neither linear (the twin's H100 model is) nor convex, and no breakpoint
+is assumed: the knots come from the data (`place_knots`). Attention adds time per KV token
+(and per KV token per extra query position), the drafter adds a fixed launch cost when it
+runs plus a cost per draft pass. Because batched tokens = decode_reqs + draft tokens +
+prefill tokens is shared by all K, a K never seen in telemetry is predicted from the
+batched-token curve learned at other (B, K) cells - that is how the model extrapolates under
+censoring.
 
 Draft tokens are the ones actually verified (`num_draft_tokens`), not decode_reqs * K: an
 n-gram drafter proposes nothing for a request without a match, so at K = 7 a step may verify
@@ -48,6 +51,9 @@ _DRAFTER_ON_OFF_FEATURES = ("kv_tokens_if_drafting", "drafter_launch")
 """Identifiable only when some steps ran without the drafter; otherwise they are the
 intercept and the KV slope under another name."""
 UNIFORM_SD = 1.0 / np.sqrt(12.0)
+HEAVY_KNOT_SHARE = 0.02
+"""A batched-token value with this share of the latency weight gets its own knot: a
+profile's 16 cells hold ~6% each, a refit's busy batch sizes a few percent."""
 
 
 def latency_matrix(X: ArrayLike, *, name: str = "X") -> NDArray[np.float64]:
@@ -85,18 +91,30 @@ def decode_matrix(batch_sizes: ArrayLike, k: ArrayLike, context_tokens: ArrayLik
                             (b * kk * share).ravel()])
 
 
-def place_knots(tokens: NDArray[np.float64], n_knots: int) -> NDArray[np.float64]:
-    """Knots at quantiles of the distinct batched-token values, first knot at 0.
+def place_knots(tokens: NDArray[np.float64], n_knots: int,
+                weight: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
+    """Knots at quantiles of the distinct batched-token values, first knot at 0, plus a knot
+    at each heavily observed value.
 
     Quantiles of *distinct* values (not of steps) spread the knots over the range the cells
     cover, so a busy batch size does not crowd all knots into one corner; every segment but
-    the last is bounded by observed values, the last one is open to extrapolation.
+    the last is bounded by observed values, the last one is open to extrapolation. The
+    heavy values (`HEAVY_KNOT_SHARE` of the weight or more: a profile cell's or a busy
+    batch's decode steps) get a knot of their own, so that a GPU's kink there (the end of
+    a memory-bound plateau, a capture size) is not smeared over a segment that straddles it.
     """
-    distinct = np.unique(tokens[tokens > 0])
+    positive = tokens > 0
+    distinct = np.unique(tokens[positive])
     if distinct.size == 0:
         return np.zeros(1)
     interior = np.quantile(distinct, np.linspace(0.0, 1.0, n_knots + 1)[1:-1])
-    knots = np.unique(np.concatenate([[0.0], np.round(interior)]))
+    heavy = np.zeros(0)
+    if weight is not None and weight[positive].sum() > 0:
+        values, inverse = np.unique(tokens[positive], return_inverse=True)
+        mass = np.bincount(inverse, weights=weight[positive]) / weight[positive].sum()
+        heavy = values[mass >= HEAVY_KNOT_SHARE]
+        heavy = heavy[np.argsort(-mass[mass >= HEAVY_KNOT_SHARE])][:n_knots]
+    knots = np.unique(np.concatenate([[0.0], np.round(interior), heavy]))
     return knots[knots < distinct[-1]]
 
 
@@ -112,14 +130,23 @@ def hinge_features(tokens: NDArray[np.float64], knots: NDArray[np.float64]) -> N
     return np.column_stack([ramps, np.maximum(over[:, -1], 0.0)])
 
 
+def step_features(tokens: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Column j: 1 past knot j + 1. With non-negative coefficients, jumps up at the knots (a
+    CUDA-graph capture size, the eager path past the largest one), still non-decreasing."""
+    return (tokens[:, None] > knots[None, 1:]).astype(np.float64)
+
+
 def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Design matrix: intercept, hinges in batched tokens, then `NON_HINGE_FEATURES`."""
+    """Design matrix: intercept, hinges in batched tokens, steps at the knots, then
+    `NON_HINGE_FEATURES`."""
     decode, k_next = X[:, _DECODE], X[:, _K_NEXT]
     drafting = drafter_runs(X).astype(np.float64)
     kv = X[:, _KV]
+    tokens = batched_tokens(X)
     return np.column_stack([
         np.ones(X.shape[0]),
-        hinge_features(batched_tokens(X), knots),
+        hinge_features(tokens, knots),
+        step_features(tokens, knots),
         kv,
         kv * drafts_per_decode(X),
         kv * drafting,
@@ -184,7 +211,7 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
             raise ValueError("sample_weight sums to zero")
 
         tokens = batched_tokens(matrix)
-        knots = place_knots(tokens, int(self.n_knots))
+        knots = place_knots(tokens, int(self.n_knots), weight)
         design = latency_design(matrix, knots)
         runs = drafter_runs(matrix)
         drafter_off_seen = bool((~runs & (weight > 0)).any())
@@ -250,11 +277,12 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
     def _unidentified_columns(knots: NDArray[np.float64], both_seen: bool) -> list[int]:
         if both_seen:
             return []
-        offset = 1 + knots.size
+        offset = 1 + 2 * knots.size - 1
         return [offset + NON_HINGE_FEATURES.index(name) for name in _DRAFTER_ON_OFF_FEATURES]
 
     @property
     def feature_names_(self) -> tuple[str, ...]:
         check_is_fitted(self, "coef_")
         hinges = tuple(f"tokens_from_{int(k)}" for k in self.knots_)
-        return ("intercept", *hinges, *NON_HINGE_FEATURES)
+        steps = tuple(f"step_past_{int(k)}" for k in self.knots_[1:])
+        return ("intercept", *hinges, *steps, *NON_HINGE_FEATURES)

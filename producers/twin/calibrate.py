@@ -45,6 +45,11 @@ What is fitted from which columns, and why:
   decodes whose previous step proposed (K > 0), a0 = accepted_per_pos[0] / decodes is
   position 0's rate and p = 1 − (share without drafts) / (1 − a0).
 
+With a measured latency table (`cost_table`, `[cost] table`), no coefficient is fitted: the
+records are priced by the table (the step as timed plus `step_overhead`, the table being the
+whole engine step), and only `noise`, the acceptance and the lengths come from them; `fit`
+says how far the table's total is from the records'.
+
 The first record of each engine is left out (it has no previous step, and vLLM's carries
 its warm-up).
 """
@@ -63,6 +68,7 @@ from scipy.optimize import nnls
 
 from fitter.dataset import DatasetError, load_dataset
 from producers.twin.config import COST_COEFFICIENTS, DRAFT_METHODS
+from producers.twin.latency_table import LatencyTable, LatencyTableError, load_latency_table
 
 SOURCES = ("vllm", "twin")
 KNEE_GAIN = 0.02
@@ -95,9 +101,13 @@ class Calibration:
     """model, drafter, hardware, engine_id values of the records."""
     lengths: dict[str, float] = field(default_factory=dict)
     """prompt_len, output_len, mean_batch, max_batch, max_k of the records."""
+    cost_table: str | None = None
+    """The measured latency CSV the records were priced by (then `cost` is not fitted)."""
 
     def cost_config(self) -> dict[str, Any]:
         """`[cost]` fields: `CostConfig(**calibration.cost_config())`."""
+        if self.cost_table is not None:
+            return {"table": self.cost_table, "noise": self.noise}
         return {"profile": "none", **self.cost, "knee_tokens": self.knee_tokens,
                 "noise": self.noise}
 
@@ -145,10 +155,12 @@ def method_of(drafter: str) -> str:
 
 
 def calibrate(records: pl.DataFrame, *, method: str | None = None,
-              source: str = "vllm") -> Calibration:
+              source: str = "vllm", cost_table: str | os.PathLike[str] | None = None,
+              ) -> Calibration:
     """Fit the cost model and acceptance to `records` (one drafter). `source`: who wrote
     them, "vllm" (the hook: kv_tokens count the step's scheduled tokens, inter_step_s runs
-    update to update) or "twin" (its own context, inter_step_s start to start)."""
+    update to update) or "twin" (its own context, inter_step_s start to start).
+    `cost_table`: a measured latency CSV to price the steps by instead of fitting."""
     if records.height == 0:
         raise CalibrationError("no step records to calibrate from")
     drafters = sorted(records["drafter"].unique().to_list())
@@ -167,14 +179,24 @@ def calibrate(records: pl.DataFrame, *, method: str | None = None,
         raise CalibrationError(f"{steps.height} usable step records (the first of each "
                                "engine is left out): too few to fit a cost model")
     notes: list[str] = []
-    cost, knee, noise, fit = _fit_cost(steps, method, source, notes)
+    table_path = None
+    if cost_table is None:
+        cost, knee, noise, fit = _fit_cost(steps, method, source, notes)
+    else:
+        table_path = str(os.path.abspath(cost_table))
+        try:
+            table = load_latency_table(table_path)
+        except LatencyTableError as exc:
+            raise CalibrationError(str(exc)) from None
+        cost, knee = {name: 0.0 for name in COST_COEFFICIENTS}, 0
+        noise, fit = _price_by_table(steps, table, notes)
     acceptance, match_prob = _fit_acceptance(steps, method, notes)
     identity = {name: sorted(records[name].unique().to_list())
                 for name in ("model", "drafter", "hardware", "engine_id")}
     return Calibration(method=method, cost=cost, knee_tokens=knee, noise=noise,
                        acceptance=acceptance, ngram_match_prob=match_prob,
                        records=steps.height, fit=fit, notes=notes, identity=identity,
-                       lengths=_lengths(steps))
+                       lengths=_lengths(steps), cost_table=table_path)
 
 
 def measure_acceptance(records: pl.DataFrame, method: str
@@ -266,12 +288,25 @@ def _fit_cost(steps: pl.DataFrame, method: str, source: str, notes: list[str]
     cost.update(best_coef)
     if method != "ngram":
         notes.append("ngram_fraction: not used by this drafter (0)")
-    # the engine loop's time outside schedule -> update, on steps that follow a busy step
+    cost["step_overhead"], overhead_steps = _step_overhead(steps)
+    fitted = _predict(cost, method, knee, kv, batched, k) - cost["step_overhead"]
+    noise, fit = _fit_stats(y, fitted, k)
+    fit.update(mean_step_overhead_s=cost["step_overhead"], step_overhead_steps=overhead_steps)
+    return cost, knee, noise, fit
+
+
+def _step_overhead(steps: pl.DataFrame) -> tuple[float, int]:
+    """The engine loop's time outside schedule -> update, on steps that follow a busy step
+    (mean, and how many steps it is over)."""
     busy = steps.filter((pl.col("num_decode_reqs") > 0) & (pl.col("inter_step_s") > 0)
                         & (pl.col("seq_gap") == 1))
     gaps = busy["gap_s"].to_numpy()
-    cost["step_overhead"] = max(0.0, float(gaps.mean())) if gaps.size else 0.0
-    fitted = _predict(cost, method, knee, kv, batched, k) - cost["step_overhead"]
+    return (max(0.0, float(gaps.mean())) if gaps.size else 0.0), int(gaps.size)
+
+
+def _fit_stats(y: np.ndarray, fitted: np.ndarray, k: np.ndarray
+               ) -> tuple[float, dict[str, Any]]:
+    """noise (the robust spread of y / fitted) and the fit's summary."""
     residual = y - fitted
     total = float(((y - y.mean()) ** 2).sum())
     relative = y / np.maximum(fitted, 1e-12) - 1.0
@@ -279,15 +314,34 @@ def _fit_cost(steps: pl.DataFrame, method: str, source: str, notes: list[str]
     # steps are in the fit's mean, not in a spread that would blow up to cover them
     spread = 1.4826 * float(np.median(np.abs(relative - np.median(relative))))
     noise = float(min(MAX_NOISE, spread)) if y.size > 1 else 0.0
-    fit = {"r2": round(1.0 - float((residual ** 2).sum()) / total, 4) if total > 0 else None,
-           "rmse_s": float(np.sqrt(np.mean(residual ** 2))),
-           "mean_latency_s": float(y.mean()),
-           "fitted_total_ratio": round(float(fitted.sum() / y.sum()), 4),
-           "mean_step_overhead_s": cost["step_overhead"],
-           "step_overhead_steps": int(gaps.size),
-           "relative_residual_p99": round(float(np.quantile(np.abs(relative), 0.99)), 3),
-           "k_next_values": sorted({int(v) for v in k})}
-    return cost, knee, noise, fit
+    return noise, {
+        "r2": round(1.0 - float((residual ** 2).sum()) / total, 4) if total > 0 else None,
+        "rmse_s": float(np.sqrt(np.mean(residual ** 2))),
+        "mean_latency_s": float(y.mean()),
+        "fitted_total_ratio": round(float(fitted.sum() / y.sum()), 4),
+        "relative_residual_p99": round(float(np.quantile(np.abs(relative), 0.99)), 3),
+        "k_next_values": sorted({int(v) for v in k})}
+
+
+def _price_by_table(steps: pl.DataFrame, table: LatencyTable, notes: list[str]
+                    ) -> tuple[float, dict[str, Any]]:
+    """Noise and fit statistics of the records against a measured table (whole steps)."""
+    k = steps["k_next"].to_numpy().astype(int)
+    if int(k.max()) > table.max_k:
+        raise CalibrationError(f"{table.source}: rows for k up to {table.max_k}, but the "
+                               f"records propose up to {int(k.max())} drafts")
+    overhead, overhead_steps = _step_overhead(steps)
+    step_s = table.step_fn()
+    priced = np.array([step_s(kv, batched, k_next) for kv, batched, k_next in zip(
+        steps["kv"].to_list(), steps["batched"].to_list(), k.tolist(), strict=True)])
+    measured = steps["step_latency_s"].to_numpy().astype(float) + overhead
+    noise, fit = _fit_stats(measured, priced, k)
+    fit.update(mean_step_overhead_s=overhead, step_overhead_steps=overhead_steps)
+    ratio = fit["fitted_total_ratio"]
+    if not 0.9 <= ratio <= 1.1:
+        notes.append(f"cost table: it prices these records at {ratio:.2f}x their measured "
+                     "time (step + engine loop): is it this engine's table?")
+    return noise, fit
 
 
 _WHY_DROPPED = {
@@ -459,9 +513,10 @@ def profile_toml(calibration: Calibration, *, source: str = "") -> str:
         f"hardware = {_toml_str(hardware)}",
         "",
         "[cost]",
-        'profile = "none"',
-        *(f"{name} = {_toml_float(c.cost[name])}" for name in COST_COEFFICIENTS),
-        f"knee_tokens = {c.knee_tokens}",
+        *([f"table = {_toml_str(c.cost_table)}"] if c.cost_table is not None else [
+            'profile = "none"',
+            *(f"{name} = {_toml_float(c.cost[name])}" for name in COST_COEFFICIENTS),
+            f"knee_tokens = {c.knee_tokens}"]),
         f"noise = {_toml_float(round(c.noise, 4))}",
         "",
         "[drafter]",

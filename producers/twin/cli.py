@@ -76,7 +76,10 @@ def register(subparsers: Any) -> Any:
         "named in the file's notes.\n\n"
         "Acceptance: conditional per draft position from accepted_per_pos over the drafts "
         "that reached it (a short draft counts as rejected); n-gram decodes without a "
-        "draft give ngram_match_prob.")
+        "draft give ngram_match_prob.\n\n"
+        "With --cost-table the records are priced by a measured latency table instead (step "
+        "+ step_overhead against the table's whole steps): only noise, acceptance and "
+        "lengths are fitted.")
     calibrate_cmd.add_argument("--parquet", required=True,
                                help="telemetry folder (hive layout, as ingest writes it)")
     calibrate_cmd.add_argument("--hardware-prefix", default=None,
@@ -90,6 +93,11 @@ def register(subparsers: Any) -> Any:
                                help="who wrote the records: vLLM's hook counts a step's "
                                "scheduled tokens in kv_tokens and times inter_step_s update "
                                "to update, the twin neither (default vllm)")
+    calibrate_cmd.add_argument("--cost-table", default=None, metavar="CSV",
+                               help="a measured latency table (batched_tokens,kv_tokens,k,"
+                               "latency_s; docs/TWIN.md) to price the steps by: the profile's "
+                               "[cost] is then that table, with the noise measured against it, "
+                               "and no coefficient is fitted")
     calibrate_cmd.add_argument("--out", required=True, help="the profile (scenario TOML)")
     calibrate_cmd.add_argument("--json", action="store_true",
                                help="print the calibration as JSON")
@@ -158,7 +166,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     try:
         records = load_records(args.parquet, args.hardware_prefix, args.engine)
-        calibration = calibrate(records, method=args.method, source=args.records_from)
+        calibration = calibrate(records, method=args.method, source=args.records_from,
+                                cost_table=args.cost_table)
         text = profile_toml(calibration, source=args.parquet)
     except CalibrationError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -180,7 +189,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
           f"{fit['mean_latency_s'] * 1e3:.2f} ms; K values {fit['k_next_values']}")
     for name, value in calibration.cost_config().items():
         if name != "profile":
-            print(f"    {name} = {value:.6g}")
+            print(f"    {name} = {value if isinstance(value, str) else format(value, '.6g')}")
     print(f"  {calibration.method}: acceptance "
           f"{[round(a, 3) for a in calibration.acceptance]}"
           + (f", ngram_match_prob {calibration.ngram_match_prob:.3f}"

@@ -75,7 +75,8 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class CostConfig:
-    """Step latency model in seconds; explicit coefficients override the named profile's."""
+    """Step latency model in seconds; explicit coefficients override the named profile's, and
+    a measured table replaces them all."""
 
     profile: str = "h100-llama3.1-8b"
     """A built-in profile (see `cost.PROFILES`), or "none" to give every coefficient."""
@@ -96,9 +97,19 @@ class CostConfig:
     """> 0: verify time is flat in batched tokens up to this many (memory-bound), then linear."""
     noise: float = 0.03
     """Relative standard deviation of step latency (Gaussian, per step, clipped positive)."""
+    table: str | None = None
+    """A measured latency grid (CSV: batched_tokens,kv_tokens,k,latency_s; absolute, or
+    relative to the scenario file) in place of the coefficients (`latency_table`)."""
 
     def __post_init__(self) -> None:
         _at_least("knee_tokens", self.knee_tokens, 0)
+        if self.table is not None:
+            given = [name for name in COST_COEFFICIENTS if getattr(self, name) is not None]
+            if given or self.knee_tokens:
+                raise ScenarioError("table", "replaces the coefficients: remove "
+                                             f"{(given or ['knee_tokens'])[0]} or the table")
+            if not self.table:
+                raise ScenarioError("table", "must name a CSV file")
         _at_least("noise", self.noise, 0.0)
         if self.noise > 0.5:
             raise ScenarioError("noise", f"must be <= 0.5 (relative), got {self.noise}")

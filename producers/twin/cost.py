@@ -1,4 +1,5 @@
-"""Step latency of a simulated engine: SpecDecode-Bench's linear model, plus an optional knee.
+"""Step latency of a simulated engine: SpecDecode-Bench's linear model, plus an optional knee,
+or a measured grid (`latency_table`, `[cost] table = "PATH.csv"`).
 
     verify = target_kv·KV + target_batched·max(0, batched − knee) + target_fixed
     draft  = draft_kv·KV + draft_per_token·(K + 1) + draft_fixed       (eagle, draft_model)
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from producers.twin.config import COST_COEFFICIENTS, CostConfig, ScenarioError
+from producers.twin.latency_table import LatencyTable, LatencyTableError, load_latency_table
 
 PROFILES: dict[str, dict[str, float]] = {
     # Llama-3.1-8B-Instruct on H100, vLLM 0.10.1, fitted by SpecDecode-Bench
@@ -35,6 +37,30 @@ PROFILES: dict[str, dict[str, float]] = {
         "step_overhead": 1.20683946e-03,
     },
 }
+
+
+class StepCost(Protocol):
+    """What the engine needs of a cost model: a step's noise-free latency."""
+
+    def step_s(self, kv_tokens: int, batched_tokens: int, k_next: int) -> float: ...
+
+    def step_fn(self) -> Callable[[int, int, int], float]: ...
+
+
+def step_cost(config: CostConfig, method: str, max_k: int) -> StepCost:
+    """The scenario's cost model: its measured table (which must hold every K the engine can
+    propose, 0..max_k), or the coefficients."""
+    if config.table is None:
+        return CostModel.from_config(config, method)
+    try:
+        table: LatencyTable = load_latency_table(config.table)
+    except LatencyTableError as exc:
+        raise ScenarioError("cost.table", str(exc)) from None
+    if table.max_k < max_k:
+        raise ScenarioError("cost.table", f"{config.table} has rows for k up to {table.max_k}, "
+                                          f"but engine.max_k = {max_k} (give every k to "
+                                          f"{max_k}, or lower max_k)")
+    return table
 
 
 @dataclass(frozen=True, slots=True)

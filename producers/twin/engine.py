@@ -42,7 +42,7 @@ from producers.twin.batch import (
     RunningBatch,
 )
 from producers.twin.config import Scenario, ScenarioError
-from producers.twin.cost import CostModel
+from producers.twin.cost import step_cost
 from producers.twin.paths import CONTEXT, CONTEXT_MAX, DECODING, EMIT_FULL, EMITTED, PER_POS, Paths
 from producers.twin.policies import Policy
 from producers.twin.summary import RunLog
@@ -106,7 +106,7 @@ class TwinEngine:
         self._epoch_ns = int(epoch_s * 1e9)
         self.drain = drain
         self.method = scenario.drafter.method
-        self.cost = CostModel.from_config(scenario.cost, self.method)
+        self.cost = step_cost(scenario.cost, self.method, limits.max_k)
         self._step_s = self.cost.step_fn()
         self.noise = scenario.cost.noise
         self.max_batched_tokens = limits.max_num_batched_tokens

@@ -60,6 +60,8 @@ def scenario_from_dict(data: dict[str, Any], *, base_dir: Path, name: str) -> Sc
         raw = data.get(section, {})
         if not isinstance(raw, dict):
             raise ScenarioError(section, f"must be a table, got {raw!r}")
+        if section == "cost" and isinstance(raw.get("table"), str) and raw["table"]:
+            raw = {**raw, "table": str(_resolve(raw["table"], base_dir))}
         sections[section] = _build(cls, raw, section)
     raw_phases = data.get("phases", [])
     if not isinstance(raw_phases, list):

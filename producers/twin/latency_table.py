@@ -43,40 +43,36 @@ class LatencyTable:
         return self.ks[-1]
 
     def step_s(self, kv_tokens: float, batched_tokens: float, k_next: int) -> float:
-        """Noise-free latency of a step (the grid's k must include `k_next`)."""
-        return self.step_fn()(kv_tokens, batched_tokens, k_next)
-
-    def step_fn(self) -> Callable[[float, float, int], float]:
-        """`step_s` with the grid bound to locals (the twin calls it every step).
+        """Noise-free latency of a step (the grid's k must include `k_next`).
 
         Past the largest batched point the last two points' slope continues (a step above
         the largest capture size runs eager: give that region its own grid points); past
         the largest context likewise. Below the smallest point of either axis the first
         point's latency holds."""
-        batched, kv = list(self.batched), list(self.kv)
-        grid = [[list(row) for row in plane] for plane in self.latency_s]
-        last_b, last_kv = len(batched) - 1, len(kv) - 1
+        batched, plane = self.batched, self.latency_s[k_next]
+        last_b = len(batched) - 1
+        i = bisect.bisect_left(batched, batched_tokens)
+        if i <= last_b:
+            return self._along_kv(plane[i], kv_tokens)
+        top = self._along_kv(plane[last_b], kv_tokens)
+        if last_b == 0:
+            return top
+        below = self._along_kv(plane[last_b - 1], kv_tokens)
+        slope = (top - below) / (batched[last_b] - batched[last_b - 1])
+        return top + max(0.0, slope) * (batched_tokens - batched[last_b])
 
-        def along_kv(row: list[float], kv_tokens: float) -> float:
-            if last_kv == 0 or kv_tokens <= kv[0]:
-                return row[0]
-            j = min(bisect.bisect_left(kv, kv_tokens), last_kv)
-            lo, hi = kv[j - 1], kv[j]
-            return row[j - 1] + (row[j] - row[j - 1]) * (kv_tokens - lo) / (hi - lo)
+    def _along_kv(self, row: tuple[float, ...], kv_tokens: float) -> float:
+        kv = self.kv
+        last_kv = len(kv) - 1
+        if last_kv == 0 or kv_tokens <= kv[0]:
+            return row[0]
+        j = min(bisect.bisect_left(kv, kv_tokens), last_kv)
+        lo, hi = kv[j - 1], kv[j]
+        return row[j - 1] + (row[j] - row[j - 1]) * (kv_tokens - lo) / (hi - lo)
 
-        def step_s(kv_tokens: float, batched_tokens: float, k_next: int) -> float:
-            plane = grid[k_next]
-            i = bisect.bisect_left(batched, batched_tokens)
-            if i <= last_b:
-                return along_kv(plane[i], kv_tokens)
-            top = along_kv(plane[last_b], kv_tokens)
-            if last_b == 0:
-                return top
-            below = along_kv(plane[last_b - 1], kv_tokens)
-            slope = (top - below) / (batched[last_b] - batched[last_b - 1])
-            return top + max(0.0, slope) * (batched_tokens - batched[last_b])
-
-        return step_s
+    def step_fn(self) -> Callable[[float, float, int], float]:
+        """`step_s`, as the engine takes its cost model's step time."""
+        return self.step_s
 
 
 def load_latency_table(path: str | Path) -> LatencyTable:

@@ -2,7 +2,8 @@
 
 Fixed and static arms publish a `force` of their table on the tables topic before the
 server starts (the engine folds it while it reads the topic, and says `forced`); the load
-begins once it is staged. The `tabletune` arm starts `tabletune control` for its key
+begins once it is staged. A `stock:K` arm (the hook A/B's reference) runs vLLM's own
+scheduler with K as its startup table, and sends no telemetry. The `tabletune` arm starts `tabletune control` for its key
 instead, and the key is cold: every arm's engine has its own hardware name, so its own key.
 """
 
@@ -19,7 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.serving_plan import Phase, Slot, arm_table, client_argv, phase_seconds, speed_of
+from bench.serving_plan import (
+    Phase,
+    Slot,
+    arm_table,
+    client_argv,
+    is_stock,
+    phase_seconds,
+    speed_of,
+)
 from bench.serving_server import HEALTH_TIMEOUT_S, REPO, ModelSetup, Server, engine_environment
 from controller.table_log import force, publish, read_topic
 from schemas import DraftTable, TableKey
@@ -84,14 +93,19 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
                  arm_table(slot.arm, setup.max_num_seqs, setup.max_k))
     run_dir = ctx.out_dir / "runs" / slot.slug
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb),
-           "TABLETUNE_BOOTSTRAP": ctx.bootstrap, "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
-           "TABLETUNE_ENGINE_ID": run.engine_id, "TABLETUNE_HARDWARE": hardware}
+    stock = is_stock(slot.arm)
+    env = engine_environment(ctx.cache_dir, setup.kv_cache_gb)
+    if not stock:
+        env.update({"TABLETUNE_BOOTSTRAP": ctx.bootstrap,
+                    "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
+                    "TABLETUNE_ENGINE_ID": run.engine_id, "TABLETUNE_HARDWARE": hardware})
     started = time.monotonic()
-    if run.table is not None:
+    forced = run.table is not None and not stock
+    if forced:
         publish(ctx.settings, force(key, DraftTable.from_vllm(run.table),
                                     hold_s=MAX_FORCE_S - 60, issued_by="bench.real_serving"))
-    server = Server(setup, ctx.startup_table, free_port(), env, run_dir / "server.log")
+    server = Server(setup, run.table if stock else ctx.startup_table, free_port(), env,
+                    run_dir / "server.log", hook=not stock)
     kind = "tabletune" if slot.arm == "tabletune" else "fixed"
     lead_s, measure_s = ctx.lead_s[kind], ctx.measure_s[kind]
     plan = []
@@ -126,7 +140,7 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
             control.__enter__()
         run.server_start_s = server.wait_healthy()
         client.wait_ready()
-        if run.table is not None:
+        if forced:
             wait_for_event(ctx.settings, run.engine_id, "forced", FORCED_TIMEOUT_S)
         client.go()
         for kind_, line in client.lines(timeout_s=sum(p["target_s"] for p in run.phases) * 4

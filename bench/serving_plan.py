@@ -100,17 +100,24 @@ def client_argv(phase: Phase, *, prompts: int, base_url: str, model: str, tokeni
 
 
 def arm_table(arm: str, max_num_seqs: int, max_k: int) -> list[list[int]] | None:
-    """The forced table of an arm; None for `tabletune` (its tables come from the service)."""
+    """The table of an arm: forced on TableTune's hook (`fixed:K`, `static`), or the startup
+    table of vLLM's stock scheduler (`stock:K`); None for `tabletune` (its tables come from
+    the service)."""
     if arm == "tabletune":
         return None
     if arm == "static":
         return static_table(max_num_seqs, max_k)
-    if arm.startswith("fixed:"):
+    if arm.startswith(("fixed:", "stock:")):
         k = int(arm.split(":", 1)[1])
         if not 0 <= k <= max_k:
             raise ValueError(f"arm {arm!r}: K must be within 0..{max_k}")
         return [[1, max_num_seqs, k]]
-    raise ValueError(f"unknown arm {arm!r} (fixed:K, static, tabletune)")
+    raise ValueError(f"unknown arm {arm!r} (fixed:K, stock:K, static, tabletune)")
+
+
+def is_stock(arm: str) -> bool:
+    """`stock:K`: vLLM's own scheduler, no TableTune hook, K set by its startup table."""
+    return arm.startswith("stock:")
 
 
 def static_table(max_num_seqs: int, max_k: int) -> list[list[int]]:

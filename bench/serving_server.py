@@ -60,12 +60,15 @@ def engine_environment(cache_dir: Path, kv_cache_gb: int) -> dict[str, str]:
 
 
 class Server:
-    """`python -m vllm.entrypoints.openai.api_server ... --scheduler-cls <the hook>`."""
+    """`python -m vllm.entrypoints.openai.api_server ... --scheduler-cls <the hook>` (or
+    without the hook: vLLM's stock scheduler)."""
 
     def __init__(self, setup: ModelSetup, startup_table: list[list[int]], port: int,
-                 env: dict[str, str], log_path: Path) -> None:
+                 env: dict[str, str], log_path: Path, *, hook: bool = True) -> None:
         self.setup = setup
         self.startup_table = startup_table
+        self.hook = hook
+        """False: vLLM's stock scheduler (the hook A/B's reference arm)."""
         self.port = port
         self.env = env
         self.log_path = log_path
@@ -94,7 +97,8 @@ class Server:
                  "--max-num-seqs", str(setup.max_num_seqs), "--enforce-eager",
                  "--dtype", setup.dtype, "--seed", "0", "--disable-uvicorn-access-log",
                  "--speculative-config", json.dumps(spec),
-                 "--scheduler-cls", "producers.vllm.TableTuneScheduler"],
+                 *(["--scheduler-cls", "producers.vllm.TableTuneScheduler"] if self.hook
+                   else [])],
                 cwd=REPO, env={**inherited, **self.env}, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own group: EngineCore and worker go with it
         self._launched = time.monotonic()

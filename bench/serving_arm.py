@@ -3,8 +3,9 @@
 Fixed and static arms publish a `force` of their table on the tables topic before the
 server starts (the engine folds it while it reads the topic, and says `forced`); the load
 begins once it is staged. A `stock:K` arm (the hook A/B's reference) runs vLLM's own
-scheduler with K as its startup table, and sends no telemetry. The `tabletune` arm starts `tabletune control` for its key
-instead, and the key is cold: every arm's engine has its own hardware name, so its own key.
+scheduler with K as its startup table, and sends no telemetry. The `tabletune` arm starts
+`tabletune control` for its key instead, and the key is cold: every arm's engine has its own
+hardware name, so its own key.
 """
 
 from __future__ import annotations

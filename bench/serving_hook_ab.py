@@ -27,7 +27,7 @@ from bench.common import emit
 from bench.real_engine import startup_table
 from bench.real_serving import MAX_K, MAX_NUM_SEQS, PAIRS, build_model
 from bench.serving_arm import ArmContext, ArmRun, run_arm
-from bench.serving_plan import FULL_PHASES, QUICK_PHASES, Slot
+from bench.serving_plan import FULL_PHASES, QUICK_PHASES, Slot, is_stock
 from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
 
@@ -48,8 +48,8 @@ def summarize(runs: list[ArmRun], phases: list[str]) -> dict[str, Any]:
     (the stock arm's max / min over pairs, minus 1)."""
     by_pair: dict[int, dict[str, ArmRun]] = {}
     for run in runs:
-        by_pair.setdefault(run.slot.repeat, {})["stock" if run.slot.arm.startswith(
-            "stock:") else "hook"] = run
+        by_pair.setdefault(run.slot.repeat, {})["stock" if is_stock(run.slot.arm)
+                                                else "hook"] = run
     whole = [pair for pair in by_pair.values() if len(pair) == 2]
     out: dict[str, Any] = {"pairs": len(whole), "per_phase": {}}
     for phase in phases:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--k must be within 0..{MAX_K}")
     if args.quick:
         args.pairs = 1
-    args.model = None
+    args.model = None  # build_model's --quick option: build the tiny model
     t0 = time.monotonic()
     out = Path(args.out)
     work = Path(args.work or tempfile.mkdtemp(prefix="tabletune-hook-ab-"))
@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[ArmRun] = []
     with EmbeddedBroker() as broker:
         settings = Settings.from_env({"TABLETUNE_BOOTSTRAP": broker.bootstrap})
-        lengths = {"lead": {"tabletune": args.lead_s, "fixed": args.lead_s},
-                   "measure": {"tabletune": args.measure_s, "fixed": args.measure_s}}
+        # both arms' tables never change: run_arm sizes them as "fixed"
         ctx = ArmContext(setup, startup_table(MAX_K, MAX_NUM_SEQS), settings,
                          broker.bootstrap, "hook-ab", out, work / "vllm-cache", phases,
-                         lengths["lead"], lengths["measure"], probe=not args.quick)
+                         {"fixed": args.lead_s}, {"fixed": args.measure_s},
+                         probe=not args.quick)
         for slot in pair_order(args.pairs, args.k):
             print(f"[{time.monotonic() - t0:5.0f} s] pair {slot.repeat}: {slot.arm}",
                   file=sys.stderr, flush=True)

@@ -140,6 +140,24 @@ def _versions(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {history['repeat']} | {v['version']} | {v['reason']} | "
                          f"{v['published_s']:.0f} s ({v['published_in']}) | {applied} | "
                          f"`{v['table']}` |")
+    lines += ["", "TableTune's sweeps (the engine runs forced K from start to end):", "",
+              "| repeat | sweep | drift signal | started | ended (its refit) | block s |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for history in result["tabletune_tables"]:
+        for sweep in history.get("sweeps", []):
+            ended = ("-" if sweep["ended_s"] is None
+                     else f"{round(sweep['ended_s'])} s ({sweep['ended_in']})")
+            blocks = sweep["block_s"] if sweep["confirm_block_s"] is None else (
+                f"{sweep['block_s']}, confirm {sweep['confirm_block_s']}")
+            lines.append(f"| {history['repeat']} | {sweep['kind']} | {sweep['signal'] or '-'} | "
+                         f"{round(sweep['started_s'])} s ({sweep['started_in']}) | {ended} | "
+                         f"{blocks if blocks is not None else '-'} |")
+    for history in result["tabletune_tables"]:
+        cpu = history.get("control_cpu")
+        if cpu and cpu["wall_s"] > 0:
+            lines.append(f"\n`tabletune control`, repeat {history['repeat']}: {cpu['cpu_s']:.0f} "
+                         f"CPU s in {cpu['wall_s']:.0f} s ({cpu['cpu_s'] / cpu['wall_s']:.0%} "
+                         "of a core), on the server's cores.")
     return lines + [""]
 
 

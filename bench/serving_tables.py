@@ -1,10 +1,12 @@
 """What TableTune did in each `tabletune` arm, read back from the tables and status topics:
-the versions it published (when, why, which table), when the engine applied each one, and
-the K its profile forced. Also the checks that a run went as it should."""
+the versions it published (when, why, which table), when the engine applied each one, the
+K its profile forced, and when its sweeps forced the engine (from the control service's
+decisions). Also the checks that a run went as it should."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from bench.serving_arm import ArmRun
@@ -43,7 +45,51 @@ def tabletune_history(settings: Settings, run: ArmRun, events: list[dict[str, An
     return {"repeat": run.slot.repeat, "key": run.key, "engine_id": run.engine_id,
             "origin_unix_s": origin, "versions": versions, "profile_forced_k": sorted(forced_k),
             "engine_events": counts,
-            "applied_versions": sorted(applied)}
+            "applied_versions": sorted(applied), "sweeps": sweeps(run),
+            "control_cpu": control_cpu(run)}
+
+
+def control_cpu(run: ArmRun) -> dict[str, float] | None:
+    """The control service's CPU and wall seconds (its exit summary): it ran on the
+    server's cores, which a deployment would not share."""
+    path = None if run.control_dir is None else run.control_dir / "control-summary.json"
+    try:
+        summary = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or "cpu_s" not in summary:
+        return None
+    return {"cpu_s": summary["cpu_s"], "wall_s": summary["wall_s"]}
+
+
+def sweeps(run: ArmRun) -> list[dict[str, Any]]:
+    """The control service's profile and re-profiles of this arm's key: when each began and
+    ended (its refit), in which phase, on which drift signal, and its block lengths. While
+    one runs, the engine runs forced K, each phase's worse ones included."""
+    path = None if run.control_dir is None else run.control_dir / "decisions.jsonl"
+    if path is None or not path.exists():
+        return []
+    origin = run.phases[0]["started"]
+    out: list[dict[str, Any]] = []
+    signal = None
+    for line in path.read_text().splitlines():
+        decision = json.loads(line) if line else {}
+        what, at = decision.get("what"), decision.get("t_s")
+        if not isinstance(at, (int, float)):
+            continue
+        if what == "stale":
+            signal = decision.get("signal")
+        elif what in ("profile", "reprofile"):
+            out.append({"kind": what, "signal": signal if what == "reprofile" else None,
+                        "started_s": round(at - origin, 1), "started_in": phase_at(run, at),
+                        "block_s": decision.get("block_s"),
+                        "confirm_block_s": decision.get("confirm_block_s"),
+                        "ended_s": None, "ended_in": None})
+            signal = None
+        elif (what == "refit" and out and out[-1]["ended_s"] is None
+              and decision.get("reason") in ("profile", "stale")):
+            out[-1].update(ended_s=round(at - origin, 1), ended_in=phase_at(run, at))
+    return out
 
 
 def phase_at(run: ArmRun, unix_s: float) -> str:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import signal
 import sys
+import time
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -37,6 +39,7 @@ def run_control_service(args: argparse.Namespace) -> int:
     runner = ControlRunner(settings, with_screening(fit_table), config=config,
                            loop_config=loop_config)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
+    started = (time.monotonic(), _cpu_s())
     try:
         runner.run(timeout_s=args.duration_s)
     except KeyboardInterrupt:
@@ -58,8 +61,21 @@ def run_control_service(args: argparse.Namespace) -> int:
                       "send_errors": sum(c.errors for c in runner.channels.values()),
                       "unsent": sum(c.unsent for c in runner.channels.values()),
                       "dropped_unsent": sum(c.dropped for c in runner.channels.values()),
-                      "keys": served}))
+                      "keys": served, **_cpu(started)}))
     return 0
+
+
+def _cpu(started: tuple[float, float]) -> dict[str, float]:
+    """What serving cost the host since start-up: CPU seconds (user + system, every thread)
+    and wall seconds, for sizing the service and for benchmarks that run it beside an
+    engine."""
+    return {"cpu_s": round(_cpu_s() - started[1], 2),
+            "wall_s": round(time.monotonic() - started[0], 2)}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -54,10 +54,15 @@ def test_quick_real_serving_run_profiles_applies_and_scores_both_arms(tmp_path: 
     first = history["versions"][0]
     assert first["version"] == 1 and first["reason"] == "profile"
     assert first["applied_s"] is not None and max(history["applied_versions"]) >= 1
+    profile = history["sweeps"][0]  # the control service's decisions, read back
+    assert profile["kind"] == "profile" and profile["ended_s"] is not None
+    assert profile["started_s"] <= profile["ended_s"] <= first["published_s"] + 1.0
+    assert history["control_cpu"]["cpu_s"] > 0 and history["control_cpu"]["wall_s"] > 0
     assert result["problems"] == []
 
     assert result["ingest"]["records"] > 0 and list((out / "parquet").rglob("*.parquet"))
     markdown = (out / "real_serving.md").read_text()
     assert "| mixed |" in markdown and "TableTune / best" in markdown
+    assert "| 1 | profile | - |" in markdown  # the sweeps table
     assert (out / "real_serving-r1.png").stat().st_size > 0
     print(f"bench.real_serving --quick took {wall_s:.0f} s")

@@ -36,7 +36,7 @@ from schemas import DraftTable, TableKey
 from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings
 from tabletune.broker import free_port
-from tabletune.control_process import ControlProcess
+from tabletune.control_process import ControlProcess, ControlProcessError
 
 CLIENT_READY_TIMEOUT_S = 120.0
 FORCED_TIMEOUT_S = 60.0
@@ -84,6 +84,10 @@ class ArmRun:
     server_start_s: float | None = None
     wall_s: float | None = None
     control_dir: Path | None = None
+    control_decisions: list[dict[str, Any]] = field(default_factory=list)
+    """`tabletune` arms: the control service's decisions, as it wrote them at exit."""
+    control_summary: dict[str, Any] = field(default_factory=dict)
+    """`tabletune` arms: the control service's exit summary."""
 
 
 def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
@@ -169,8 +173,19 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
         server.stop()
         if control is not None:
             control.stop()
+            _read_control_output(control, run)
     run.wall_s = time.monotonic() - started
     return run
+
+
+def _read_control_output(control: ControlProcess, run: ArmRun) -> None:
+    """What the stopped service wrote; an arm whose service wrote nothing keeps empty ones
+    (its checks say what is missing: no profile version, no table applied)."""
+    try:
+        run.control_decisions = control.decisions()
+        run.control_summary = control.summary()
+    except ControlProcessError:
+        pass
 
 
 def wait_for_event(settings: Settings, engine_id: str, event: str, timeout_s: float) -> dict:

@@ -6,7 +6,6 @@ decisions). Also the checks that a run went as it should."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 from bench.serving_arm import ArmRun
@@ -52,12 +51,8 @@ def tabletune_history(settings: Settings, run: ArmRun, events: list[dict[str, An
 def control_cpu(run: ArmRun) -> dict[str, float] | None:
     """The control service's CPU and wall seconds (its exit summary): it ran on the
     server's cores, which a deployment would not share."""
-    path = None if run.control_dir is None else run.control_dir / "control-summary.json"
-    try:
-        summary = json.loads(path.read_text()) if path is not None else {}
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or "cpu_s" not in summary:
+    summary = run.control_summary
+    if "cpu_s" not in summary:
         return None
     return {"cpu_s": summary["cpu_s"], "wall_s": summary["wall_s"]}
 
@@ -66,14 +61,10 @@ def sweeps(run: ArmRun) -> list[dict[str, Any]]:
     """The control service's profile and re-profiles of this arm's key: when each began and
     ended (its refit), in which phase, on which drift signal, and its block lengths. While
     one runs, the engine runs forced K, each phase's worse ones included."""
-    path = None if run.control_dir is None else run.control_dir / "decisions.jsonl"
-    if path is None or not path.exists():
-        return []
     origin = run.phases[0]["started"]
     out: list[dict[str, Any]] = []
     signal = None
-    for line in path.read_text().splitlines():
-        decision = json.loads(line) if line else {}
+    for decision in run.control_decisions:
         what, at = decision.get("what"), decision.get("t_s")
         if not isinstance(at, (int, float)):
             continue

@@ -75,3 +75,16 @@ class ControlProcess:
                 f"tabletune control wrote no decisions:\n{self.log_path.read_text()}")
         return [json.loads(line) for line in self.decisions_path.read_text().splitlines()
                 if line]
+
+    def summary(self) -> dict[str, Any]:
+        """The service's exit line (records, errors, each key's state, `cpu_s`, `wall_s`)."""
+        try:
+            summary = json.loads(self.summary_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ControlProcessError(
+                f"tabletune control wrote no exit summary ({exc}):\n"
+                f"{self.log_path.read_text()}") from exc
+        if not isinstance(summary, dict):
+            raise ControlProcessError(f"tabletune control's exit summary is not an object: "
+                                      f"{summary!r}")
+        return summary

@@ -19,6 +19,10 @@ A signal fires when, over the sliding window, its magnitude passes its threshold
 z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.
 The fitter's own misfit is learned per table as a reference over the first `reference_s`
 of the watch, so a fit that is 3% off everywhere is not "drift" - a change after it is.
+A reference that misses by more than a drift is reported at once, if the miss stands out
+against both samples: the reference's and the fit's own steps (`set_envelope(fit_steps=)`),
+since at a small batch a 30 s profile sees a few dozen requests whose acceptance is far from
+uniform (a handful that repeat their prompt draw much of the mean).
 """
 
 from __future__ import annotations
@@ -118,6 +122,9 @@ class DriftReport:
                 "z": round(min(self.z, 999.0), 2), "steps": self.steps, "version": self.version}
 
 
+BATCH_MEANS_SIZES = (1, 2, 4)
+"""Chunks per batch tried by the misfit check's standard errors: up to 4 s, the time a small
+batch's acceptance was seen to run high or low together on the twin's traces."""
 _STATS = 8  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps
 
 
@@ -161,15 +168,20 @@ class DriftDetector:
         self._ref_chunks: list[NDArray[np.float64]] = []
         self._ref_se = (0.0, 0.0)
         """Standard errors of the reference's latency and acceptance means."""
+        self._fit_se = (0.0, 0.0)
+        """The same for the fit's steps against their own envelope: the prediction's error."""
+        self._fit_chunks = 0
         self._open: tuple[int, float, NDArray[np.float64]] | None = None
         """(chunk index, newest step time, summed stats) of the chunk still filling."""
 
     def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
                      fitted_batch_range: tuple[int, int] | None = None,
-                     confirmed: bool = False) -> None:
+                     confirmed: bool = False, fit_steps: StepColumns | None = None) -> None:
         """A table became active at `at_s`; `surface` is its envelope's (None: no prediction).
         `confirmed`: the refit that ends a re-profile, chosen among K values its
-        confirmation ran steadily (`DriftConfig.confirmed_misfit_factor`)."""
+        confirmation ran steadily (`DriftConfig.confirmed_misfit_factor`). `fit_steps`: the
+        steps the envelope was fitted on, whose spread is the prediction's error in the
+        misfit check (None: the reference's error alone)."""
         self.version = version
         self._window.clear()
         self._open = None
@@ -178,6 +190,8 @@ class DriftDetector:
         self._ref_chunks = []
         self._ref_se = (0.0, 0.0)
         self._ref_lat = self._ref_acc = 0.0
+        self._fit_se = (0.0, 0.0)
+        self._fit_chunks = 0
         self._fitted_range = fitted_batch_range
         self._misfit_factor = (self.config.confirmed_misfit_factor if confirmed
                                else self.config.misfit_factor)
@@ -195,6 +209,10 @@ class DriftDetector:
             dense[:, k] = np.log(np.interp(grid, batch, latency[:, j]))
             al[k] = drafting_request_tokens(surface, j)
         self._latency, self._al = dense, al
+        if fit_steps is not None and len(fit_steps):
+            chunks = self._chunked(fit_steps)
+            self._fit_se = (self._batch_means_se(chunks, 0), self._batch_means_se(chunks, 3))
+            self._fit_chunks = len(chunks)
         self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
 
     def after_sweep(self, now_s: float) -> None:
@@ -240,9 +258,15 @@ class DriftDetector:
             if now_s - self._since_s >= cfg.warmup_s + cfg.reference_s:
                 self._ref_lat, self._ref_acc = self._means(self._ref_stats)
                 chunks = np.array(self._ref_chunks)
-                self._ref_se = (self._chunk_se(chunks, 0), self._chunk_se(chunks, 3))
+                # the fit's wander, scaled to the reference's length, bounds the reference's
+                # error from below: 20 s of a small batch may all fall in one quiet stretch
+                wander = [se * math.sqrt(self._fit_chunks / len(chunks)) for se in self._fit_se]
+                self._ref_se = (max(self._chunk_se(chunks, 0), wander[0]),
+                                max(self._chunk_se(chunks, 3), wander[1]))
                 self.state = DriftState.WATCHING
-                report = self._misfit_report()
+                sample_se = (max(self._batch_means_se(chunks, 0), wander[0]),
+                             max(self._batch_means_se(chunks, 3), wander[1]))
+                report = self._misfit_report(sample_se)
                 if report is not None:
                     self.state = DriftState.STALE
                     self._reported_s = now_s
@@ -294,21 +318,48 @@ class DriftDetector:
         acc = math.log(stats[4] / stats[5]) if stats[4] > 0 and stats[5] > 0 else 0.0
         return float(lat), float(acc)
 
-    def _misfit_report(self) -> DriftReport | None:
+    def _misfit_report(self, sample_se: tuple[float, float]) -> DriftReport | None:
         """A table that misses its own prediction by more than a drift would, from its first
         steps on, is stale already: it was fitted on another regime (a refit that caught
         only the first seconds of a change), and learning that miss as the reference would
-        hide it for good."""
+        hide it for good. The miss is tested against both samples' errors (`sample_se`:
+        the reference's, from batch means)."""
         cfg = self.config
-        for signal, column, value, se, threshold in (
-                ("latency", 0, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
-                ("acceptance", 3, self._ref_acc, self._ref_se[1], cfg.acceptance_threshold)):
+        for signal, column, value, threshold in (
+                ("latency", 0, self._ref_lat, cfg.latency_threshold),
+                ("acceptance", 3, self._ref_acc, cfg.acceptance_threshold)):
+            se = math.hypot(sample_se[column // 3], self._fit_se[column // 3])
             if (self._ref_stats[column] >= cfg.min_steps
                     and abs(value) >= math.log1p(self._misfit_factor * threshold)
                     and se > 0 and abs(value) / se >= cfg.z):
                 return DriftReport(signal, math.expm1(value), abs(value) / se,
                                    int(self._ref_stats[7]), self.version)
         return None
+
+    def _chunked(self, steps: StepColumns) -> NDArray[np.float64]:
+        """Summed stats per `chunk_s` of telemetry time, oldest first."""
+        index = np.floor(steps.t_s / self.config.chunk_s).astype(np.int64)
+        return np.array([self._stats(steps.select(index == chunk))
+                         for chunk in np.unique(index)])
+
+    def _batch_means_se(self, chunks: NDArray[np.float64], column: int) -> float:
+        """The largest standard error of the mean over batches of 1, 2 and 4 consecutive
+        chunks (at least 4 batches each), with the spread taken from successive differences.
+        Batches: a small batch's acceptance runs high or low for seconds together when a few
+        requests dominate it, and single chunks would count those seconds as independent.
+        Differences: one level shift inside a fit (a switch it straddled) is the misfit to
+        catch, not spread to forgive."""
+        best = 0.0
+        usable = chunks[chunks[:, column] > 0] if chunks.size else chunks
+        for size in BATCH_MEANS_SIZES:
+            whole = len(usable) // size
+            if whole < 4:
+                break
+            merged = usable[:whole * size].reshape(whole, size, -1).sum(axis=1)
+            means = np.array([self._means(row)[0 if column == 0 else 1] for row in merged])
+            variance = float(np.sum(np.diff(means) ** 2)) / (2 * (whole - 1))
+            best = max(best, math.sqrt(variance / whole))
+        return best
 
     def _chunk_se(self, chunks: NDArray[np.float64], column: int) -> float:
         """Standard error of a mean from its chunks' means (0 with fewer than 4 chunks)."""

@@ -153,6 +153,8 @@ class ClosedLoop:
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         self._sweep: Sweep | None = None
         self._fitted_range: tuple[int, int] | None = None
+        self._fitted_steps: tuple[int, StepColumns] | None = None
+        """(version, the steps it was fitted on): the drift check's prediction error."""
         self._anchor: pa.Table | None = None
         """Records of the last (re-)profile sweep."""
         self._baseline_since_s: float | None = None
@@ -575,6 +577,7 @@ class ClosedLoop:
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         self._fitted_range = (max(low, 1), max(high, 1))
+        self._fitted_steps = (version, StepColumns.from_records(records))
         vetted = (k_values is not None and steps_since_s is not None
                   and _ran_against(current, k_values, records, steps_since_s))
         if vetted:
@@ -657,8 +660,10 @@ class ClosedLoop:
         # the refit that ends a re-profile was chosen among the K its confirmation ran
         confirmed = (after_drift and desired is not None
                      and CHOSEN_AMONG_K in desired.provenance)
+        fitted = self._fitted_steps
         self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
-                                fitted_batch_range=self._fitted_range, confirmed=confirmed)
+                                fitted_batch_range=self._fitted_range, confirmed=confirmed,
+                                fit_steps=fitted[1] if fitted and fitted[0] == version else None)
         self._note(now_s, "stage", version=version, table=table.to_vllm(), watch=watch)
 
     def _roll_forward(self, now_s: float, withdrawn: int) -> None:

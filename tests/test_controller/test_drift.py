@@ -245,3 +245,42 @@ def test_after_a_sweep_latency_and_misfit_keep_their_bars() -> None:
     misfit.after_sweep(0.0)
     reports = feed(misfit, rng, range(0, 40), acceptance_factor=0.8)
     assert [r.signal for r in reports] == ["acceptance"]
+
+
+def wandering(rng: np.random.Generator, seconds: range, *, level: float = 1.0,
+              swing: float = 0.3, run_s: int = 5, batch: int = 4) -> StepColumns:
+    """A small batch whose acceptance runs `swing` above and below `level` for `run_s`
+    seconds at a time: a few requests dominate it (the twin's instructcoder trace at 4
+    requests in flight)."""
+    parts = [steps(rng, float(s), 60, batch=batch,
+                   acceptance_factor=level * (1 + swing * (1 if (s // run_s) % 2 else -1)))
+             for s in seconds]
+    return StepColumns(**{name: np.concatenate([getattr(p, name) for p in parts])
+                          for name in StepColumns.__dataclass_fields__})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reference_is_judged_against_the_fits_own_spread(seed: int) -> None:
+    """A 20 s reference 25% under a prediction fitted on 30 s of a wandering small batch is
+    that batch's wander, not a stale table; nor is the ordinary wander after it. The same
+    miss against a fit of steady steps is stale, and so is it with the fit's steps unknown."""
+    rng = np.random.default_rng(seed)
+    fit = wandering(rng, range(0, 30))
+
+    def run(fit_steps: StepColumns | None) -> list[Any]:
+        detector = DriftDetector(max_batch=128)
+        detector.set_envelope(7, surface(), at_s=30.0, fitted_batch_range=(2, 8),
+                              fit_steps=fit_steps)
+        reports = feed(detector, rng, range(30, 53), batch=4, acceptance_factor=0.75)
+        for second in range(53, 173):
+            report = detector.observe(wandering(rng, range(second, second + 1)))
+            if report is not None:
+                reports.append(report)
+        return reports
+
+    assert run(fit) == []
+    steady = StepColumns(**{name: np.concatenate([getattr(steps(rng, float(s), 60, batch=32),
+                                                          name) for s in range(30)])
+                            for name in StepColumns.__dataclass_fields__})
+    assert [r.signal for r in run(steady)][:1] == ["acceptance"]
+    assert [r.signal for r in run(None)][:1] == ["acceptance"]

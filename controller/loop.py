@@ -468,11 +468,30 @@ class ClosedLoop:
         chosen = self._sweep_choice(now_s, since_s=sweep.records_from_s)
         if chosen is not None:
             sweep.confirmed = confirmation_k_values(self.k_values, chosen)
+        if sweep.targets:
+            self._stage_interim(now_s, since_s=sweep.records_from_s)
         runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
         sweep.confirm_started_s = now_s
         sweep.blocks += runs
         sweep.block_s += [sweep.confirm_block_s] * len(runs)
         self._note(now_s, "confirm", k_values=list(sweep.confirmed))
+
+    def _stage_interim(self, now_s: float, *, since_s: float) -> None:
+        """A canary re-profile's sweep, fitted, for the engines it does not force: they leave
+        the stale table now, not after the confirmation (a minute or more of the phase on
+        three engines of four); the confirmation's refit replaces it. A key whose canary is
+        all of it has no engine to serve, and publishes none."""
+        records = self._window(now_s, since_s=since_s)
+        if records is None or records.num_rows < MIN_FIT_RECORDS:
+            return
+        version = self.agent.state.newest_version + 1
+        envelope = self._fit(records, now_s, reason="interim", version=version,
+                             half_life_s=None, tolerance=self.config.tolerance,
+                             k_values=self.k_values)
+        if envelope is None or not self.agent.on_envelope(envelope):
+            return
+        self._note(now_s, "interim", version=version, records=records.num_rows)
+        self._sync(now_s, guard=False)
 
     def _regime_moved(self, sweep: Sweep, now_s: float) -> bool:
         """Whether the regime moved under the re-profile, so that its confirmation ran the K

@@ -179,6 +179,10 @@ def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(se
     after = [m for m in log if isinstance(m, TableEnvelope)
              and m.provenance.get("reason") == "stale"]
     assert after, decisions
+    # the canary's sweep, fitted, served the three unforced engines through the confirmation
+    interim = [m for m in log if isinstance(m, TableEnvelope)
+               and m.provenance.get("reason") == "interim"]
+    assert interim and interim[0].version < after[0].version, decisions
     for engine in fleet.engines:  # every engine ends on the newest table, none forced
         assert engine.engine.switch.version == versions[-1]
         assert not engine.engine.switch.forced

@@ -123,8 +123,9 @@ class DriftReport:
 
 
 BATCH_MEANS_SIZES = (1, 2, 4)
-"""Chunks per batch tried by the misfit check's standard errors: up to 4 s, the time a small
-batch's acceptance was seen to run high or low together on the twin's traces."""
+"""Chunks per batch tried by the standard errors of a fit's steps and of the reference in the
+misfit check: up to 4 s, the time a small batch's acceptance was seen to run high or low
+together on the twin's traces."""
 _STATS = 8  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps
 
 

@@ -252,11 +252,9 @@ def wandering(rng: np.random.Generator, seconds: range, *, level: float = 1.0,
     """A small batch whose acceptance runs `swing` above and below `level` for `run_s`
     seconds at a time: a few requests dominate it (the twin's instructcoder trace at 4
     requests in flight)."""
-    parts = [steps(rng, float(s), 60, batch=batch,
-                   acceptance_factor=level * (1 + swing * (1 if (s // run_s) % 2 else -1)))
-             for s in seconds]
-    return StepColumns(**{name: np.concatenate([getattr(p, name) for p in parts])
-                          for name in StepColumns.__dataclass_fields__})
+    return _concat([steps(rng, float(s), 60, batch=batch,
+                          acceptance_factor=level * (1 + swing * (1 if (s // run_s) % 2 else -1)))
+                    for s in seconds])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -279,8 +277,6 @@ def test_a_reference_is_judged_against_the_fits_own_spread(seed: int) -> None:
         return reports
 
     assert run(fit) == []
-    steady = StepColumns(**{name: np.concatenate([getattr(steps(rng, float(s), 60, batch=32),
-                                                          name) for s in range(30)])
-                            for name in StepColumns.__dataclass_fields__})
+    steady = _concat([steps(rng, float(s), 60, batch=32) for s in range(30)])
     assert [r.signal for r in run(steady)][:1] == ["acceptance"]
     assert [r.signal for r in run(None)][:1] == ["acceptance"]

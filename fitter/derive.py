@@ -3,7 +3,9 @@
 Two rules beyond the argmax, and why:
 - Within `tolerance` of the best goodput, smaller K wins. The surface is an estimate; at equal
   predicted goodput a smaller K spends less target compute, wastes fewer drafts if acceptance
-  drops, and is the cheaper mistake.
+  drops, and is the cheaper mistake - but only by the step time it saves, so a smaller K's
+  tolerance is capped at the best K's predicted latency premium over it. Where a GPU pads
+  K5..K7 to one CUDA-graph size, the larger K costs nothing and keeps its gain.
 - Among tables that keep every batch size within tolerance, the one with the fewest ranges
   wins (then the smallest K). Noise otherwise makes K flicker 3,2,3 between neighbouring batch
   sizes, which is a table nobody can read and a switch the engine makes for nothing.
@@ -48,19 +50,22 @@ def candidate_k_values(startup_k_values: Sequence[int], max_k: int) -> NDArray[n
 
 
 def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERANCE,
-             fewest_ranges: bool = True) -> NDArray[np.int64]:
+             fewest_ranges: bool = True,
+             latency: NDArray[np.float64] | None = None) -> NDArray[np.int64]:
     """Column index chosen per row of `goodput` (rows: batch sizes in order, columns: K ascending).
 
-    A column is acceptable at a row when its goodput is within `tolerance` of the row's best.
-    Without `fewest_ranges` each row takes its smallest acceptable K; with it, a Viterbi pass
-    picks acceptable columns minimising (number of changes, then sum of K indices).
+    A column is acceptable at a row when its goodput is within `tolerance` of the row's best;
+    with `latency` (the same shape), a column left of the best is within no more than the
+    best's latency premium over it (`tolerance_margins`). Without `fewest_ranges` each row
+    takes its smallest acceptable K; with it, a Viterbi pass picks acceptable columns
+    minimising (number of changes, then sum of K indices).
     """
     if goodput.ndim != 2 or goodput.size == 0:
         raise ValueError(f"goodput must be a non-empty (batch, K) matrix, got {goodput.shape}")
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance={tolerance!r} is outside [0, 1)")
     best = goodput.max(axis=1, keepdims=True)
-    acceptable = goodput >= (1.0 - tolerance) * best
+    acceptable = goodput >= (1.0 - tolerance_margins(goodput, tolerance, latency)) * best
     if not fewest_ranges:
         return acceptable.argmax(axis=1).astype(np.int64)
     n_rows, n_cols = goodput.shape
@@ -82,6 +87,27 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
     for row in range(n_rows - 1, 0, -1):
         chosen[row - 1] = came_from[row, chosen[row]]
     return chosen
+
+
+def tolerance_margins(goodput: NDArray[np.float64], tolerance: float,
+                      latency: NDArray[np.float64] | None) -> NDArray[np.float64]:
+    """Per cell, how far below the row's best goodput it may be and still be chosen.
+
+    `tolerance` everywhere without `latency`. With it, a K smaller than the row's best gets
+    at most the best's relative latency premium over it: if the best K's extra positions
+    accepted nothing, it would lose exactly that premium, so a smaller K is the cheaper
+    mistake only up to there (zero where both pad to one step).
+    """
+    margins = np.full(goodput.shape, tolerance)
+    if latency is None:
+        return margins
+    if latency.shape != goodput.shape:
+        raise ValueError(f"latency {latency.shape} and goodput {goodput.shape} differ in shape")
+    rows = np.arange(goodput.shape[0])
+    best_col = goodput.argmax(axis=1)
+    premium = np.maximum(latency[rows, best_col][:, None] / latency - 1.0, 0.0)
+    left_of_best = np.arange(goodput.shape[1])[None, :] < best_col[:, None]
+    return np.where(left_of_best, np.minimum(margins, premium), margins)
 
 
 def exploration_plan(surface: GoodputSurface, chosen_index: NDArray[np.int64], *,
@@ -198,7 +224,8 @@ def derive_envelope(
     k_values = candidate_k_values(startup_k_values, max_k)
     batch_sizes = np.arange(1, max_batch + 1)
     surface = fit.evaluate(batch_sizes, k_values)
-    chosen = choose_k(surface.goodput_tok_s, tolerance=tolerance, fewest_ranges=fewest_ranges)
+    chosen = choose_k(surface.goodput_tok_s, tolerance=tolerance, fewest_ranges=fewest_ranges,
+                      latency=surface.latency_s)
     dense = [0, *(int(k) for k in k_values[chosen])]
     table = DraftTable.from_dense(dense).validate(int(k_values.max()), max_batch)
     predicted = surface.goodput_tok_s[np.arange(max_batch), chosen]

@@ -30,6 +30,18 @@ def test_ties_go_to_the_smaller_k() -> None:
     assert list(choose_k(goodput, tolerance=0.01)) == [1, 1]  # one range, both acceptable
 
 
+def test_a_smaller_k_is_within_tolerance_only_by_the_step_time_it_saves() -> None:
+    # Row 0: K5..K7 pad to one CUDA-graph step, so K7's 1% gain over K5 is all upside.
+    # Row 1: K7 costs 2% more per step than K5: K5 stays the cheaper mistake within 1%.
+    goodput = np.array([[186.6, 187.6, 188.4], [186.6, 187.6, 188.4]])
+    latency = np.array([[7.20e-3, 7.20e-3, 7.20e-3], [7.20e-3, 7.27e-3, 7.344e-3]])
+    assert list(choose_k(goodput, tolerance=0.01, fewest_ranges=False)) == [0, 0]
+    capped = choose_k(goodput, tolerance=0.01, fewest_ranges=False, latency=latency)
+    assert list(capped) == [2, 0]
+    with pytest.raises(ValueError, match="shape"):
+        choose_k(goodput, latency=latency[:, :2])
+
+
 def test_fewest_ranges_removes_flicker_within_tolerance() -> None:
     rng = np.random.default_rng(0)
     base = np.array([100.0, 110.0, 111.0, 95.0])

@@ -85,7 +85,7 @@ class ArmRun:
     wall_s: float | None = None
     control_dir: Path | None = None
     control_decisions: list[dict[str, Any]] = field(default_factory=list)
-    """`tabletune` arms: the control service's decisions, as it wrote them at exit."""
+    """`tabletune` arms: the control service's decisions, in the order it took them."""
     control_summary: dict[str, Any] = field(default_factory=dict)
     """`tabletune` arms: the control service's exit summary."""
 

@@ -75,10 +75,11 @@ def register(commands: Any) -> None:
     serve.add_argument("--refit-s", type=POSITIVE, default=30.0,
                        help="telemetry seconds between periodic refits (default 30)")
     serve.add_argument("--decisions", default=None, metavar="FILE",
-                       help="at exit, write every decision of every key's loop to FILE, one "
-                       "JSON object a line (profile, refit, stale, reprofile, stage, ...); "
-                       "FILE is created at start, so a path that cannot be written fails "
-                       "before the service runs")
+                       help="append every decision of every key's loop to FILE as it is "
+                       "taken, one JSON object a line (profile, refit, stale, reprofile, "
+                       "stage, ...; each also goes to stderr as a log line); FILE is created "
+                       "at start, so a path that cannot be written fails before the service "
+                       "runs")
     serve.add_argument("--duration-s", type=POSITIVE, default=None,
                        help="stop after this many wall seconds (default: run until stopped)")
     _bootstrap(serve)

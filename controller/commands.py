@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import signal
 import sys
@@ -14,6 +15,8 @@ import time
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.control_runner import ControlRunConfig, ControlRunner
+from controller.decision_log import DecisionWriter
+from controller.loop import log as loop_log
 from controller.loop_config import LoopConfig
 from controller.table_log import check_tables_topic, control, publish, read_log, read_topic
 from fitter.derive import fit_table
@@ -34,24 +37,27 @@ def run_control_service(args: argparse.Namespace) -> int:
     except (ValueError, EnvelopeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    decisions = None if args.decisions is None else open(args.decisions, "w")
-    # every fit screened: the service reads the telemetry topic itself, not ingest's checks
-    runner = ControlRunner(settings, with_screening(fit_table), config=config,
-                           loop_config=loop_config)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
-    started = (time.monotonic(), _cpu_s())
+    # the service's decisions are its output: one INFO line each on stderr, and to FILE
+    loop_log.setLevel(logging.INFO)
+    writer = None if args.decisions is None else DecisionWriter(open(args.decisions, "w"))
+    if writer is not None:
+        loop_log.addHandler(writer)
     try:
-        runner.run(timeout_s=args.duration_s)
-    except KeyboardInterrupt:
-        runner.stop()
+        # every fit screened: the service reads the telemetry topic itself, not ingest's checks
+        runner = ControlRunner(settings, with_screening(fit_table), config=config,
+                               loop_config=loop_config)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: runner.stop())
+        started = (time.monotonic(), _cpu_s())
+        try:
+            runner.run(timeout_s=args.duration_s)
+        except KeyboardInterrupt:
+            runner.stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    if decisions is not None:
-        with decisions as out:
-            for loop in runner.service.loops():
-                for decision in loop.decisions:
-                    out.write(json.dumps({"key": str(loop.limits.key), **decision},
-                                         default=str) + "\n")
+        if writer is not None:
+            loop_log.removeHandler(writer)
+            writer.close()
     served = {str(loop.limits.key): {"state": loop.state.value,
                                      "version": loop.agent.state.newest_version}
               for loop in runner.service.loops()}

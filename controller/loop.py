@@ -748,8 +748,13 @@ class ClosedLoop:
         return tuple(live[:count])
 
     def _note(self, now_s: float, what: str, **fields: Any) -> None:
-        self.decisions.append({"t_s": round(now_s, 3), "what": what, **fields})
-        log.debug("loop %s at %.1f s: %s", what, now_s, fields)
+        """Keep the decision and log it at INFO as it is taken, the whole of it under the
+        record's `decision` attribute (`tabletune control --decisions` streams those)."""
+        entry = {"t_s": round(now_s, 3), "what": what, **fields}
+        self.decisions.append(entry)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: %s at %.1f s %s", self.limits.key, what, now_s, fields,
+                     extra={"decision": {"key": str(self.limits.key), **entry}})
 
 
 def _ran_against(current: DraftTable, k_values: tuple[int, ...], records: pa.Table,

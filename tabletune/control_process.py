@@ -22,7 +22,7 @@ READY_TIMEOUT_S = 90.0
 """Start-up reads the tables and status topics and imports the fitter: seconds on a busy
 2-core machine, never a minute and a half."""
 STOP_TIMEOUT_S = 60.0
-"""SIGTERM releases held forces and writes the decisions file before exiting."""
+"""SIGTERM releases held forces and closes the decisions file before exiting."""
 
 
 class ControlProcessError(RuntimeError):
@@ -69,7 +69,7 @@ class ControlProcess:
         stop_process(self._process, STOP_TIMEOUT_S)
 
     def decisions(self) -> list[dict[str, Any]]:
-        """Every decision of every key's loop, as the service wrote them at exit."""
+        """Every decision of every key's loop, in the order the service took them."""
         if not self.decisions_path.exists():
             raise ControlProcessError(
                 f"tabletune control wrote no decisions:\n{self.log_path.read_text()}")

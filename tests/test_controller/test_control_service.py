@@ -89,8 +89,11 @@ class ControlProcess:
         assert wait_for(lambda: "ready:" in self.log_path.read_text(), 60), self.log()
         return self
 
+    def decisions_path(self) -> Any:
+        return self.log_path.with_name(self.log_path.name + ".decisions")
+
     def log(self) -> str:
-        decisions = self.log_path.with_name(self.log_path.name + ".decisions")
+        decisions = self.decisions_path()
         return self.log_path.read_text() + (decisions.read_text() if decisions.exists() else "")
 
     def kill(self) -> None:
@@ -204,6 +207,10 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
                        for m in tables_log(settings))
         assert wait_for(canary_forced, 150), first.log()
         first.kill()
+        # the decisions file is written as they are taken: the kill leaves them all
+        taken = [json.loads(line) for line in first.decisions_path().read_text().splitlines()]
+        assert {"profile", "stage", "stale"} <= {d["what"] for d in taken}, taken
+        assert all(d["key"] == str(NGRAM_KEY) for d in taken), taken
         killed_at = max(m.version for m in tables_log(settings)
                         if isinstance(m, TableEnvelope))
         # the force's expiry (its block + LoopConfig.force_grace_s, 30 virtual seconds)

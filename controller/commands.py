@@ -15,7 +15,7 @@ import time
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.control_runner import ControlRunConfig, ControlRunner
-from controller.decision_log import DecisionWriter
+from controller.decision_log import decision_file_handler
 from controller.loop import log as loop_log
 from controller.loop_config import LoopConfig
 from controller.table_log import check_tables_topic, control, publish, read_log, read_topic
@@ -39,7 +39,7 @@ def run_control_service(args: argparse.Namespace) -> int:
         return 2
     # the service's decisions are its output: one INFO line each on stderr, and to FILE
     loop_log.setLevel(logging.INFO)
-    writer = None if args.decisions is None else DecisionWriter(open(args.decisions, "w"))
+    writer = None if args.decisions is None else decision_file_handler(args.decisions)
     if writer is not None:
         loop_log.addHandler(writer)
     try:

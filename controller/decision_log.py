@@ -1,36 +1,29 @@
 """`tabletune control --decisions FILE`: each loop decision appended to FILE as it is taken.
 
 The loop logs every decision at INFO with the whole of it on the record (`ClosedLoop._note`);
-this handler writes those as JSON lines and flushes each, so a service killed with -9 leaves
-every decision it took before the kill, and a reader can follow the file while it runs.
+a stdlib `FileHandler` with this formatter writes those as JSON lines and flushes each, so a
+service killed with -9 leaves every decision it took before the kill, and a reader can follow
+the file while it runs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TextIO
+from pathlib import Path
 
 
-class DecisionWriter(logging.Handler):
-    """Writes the `decision` attribute of each record it gets, one JSON object a line."""
+class DecisionFormatter(logging.Formatter):
+    """A record's `decision` attribute as one JSON object."""
 
-    def __init__(self, stream: TextIO) -> None:
-        super().__init__(level=logging.INFO)
-        self.stream = stream
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(record.decision, default=str)  # type: ignore[attr-defined]
 
-    def emit(self, record: logging.LogRecord) -> None:
-        decision = getattr(record, "decision", None)
-        if decision is None:
-            return
-        try:
-            self.stream.write(json.dumps(decision, default=str) + "\n")
-            self.stream.flush()
-        except OSError:  # a full disk must not stop the service; the log line still shows it
-            self.handleError(record)
 
-    def close(self) -> None:
-        try:
-            self.stream.close()
-        finally:
-            super().close()
+def decision_file_handler(path: str | Path) -> logging.FileHandler:
+    """A handler that writes only the records carrying a decision, to `path` (created now,
+    so a path that cannot be written fails before the service runs)."""
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(DecisionFormatter())
+    handler.addFilter(lambda record: hasattr(record, "decision"))
+    return handler

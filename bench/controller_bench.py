@@ -34,8 +34,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
-from controller.loop import CHOSEN_AMONG_K  # noqa: E402
-from producers.twin import (  # noqa: E402
+from controller.fleet.loop import CHOSEN_AMONG_K  # noqa: E402
+from schemas import DraftTable, TableEnvelope  # noqa: E402
+from twin import (  # noqa: E402
     BUILTIN_SCENARIOS,
     FixedK,
     Policy,
@@ -43,8 +44,7 @@ from producers.twin import (  # noqa: E402
     load_scenario,
     run_scenario,
 )
-from producers.twin.tabletune_policy import TabletunePolicy  # noqa: E402
-from schemas import DraftTable, TableEnvelope  # noqa: E402
+from twin.tabletune_policy import TabletunePolicy  # noqa: E402
 
 DRIFT = ("chat-code-chat-ngram.toml", "eagle-concurrency-jump.toml", "context-growth.toml")
 SETTLE_S = 120.0
@@ -332,10 +332,10 @@ def exploration() -> dict[str, Any]:
 
 
 def publish_latency(n: int = 30) -> dict[str, Any]:
-    from controller.feed import TableFeed
+    from controller.engine.follower import TableFeed
+    from controller.engine.table_switch import TableSwitch
+    from controller.fleet.table_log import publish
     from controller.status import StatusPublisher
-    from controller.table_log import publish
-    from controller.table_switch import TableSwitch
     from controller.validation import EngineLimits
     from schemas import TableKey
     from schemas.settings import Settings
@@ -457,7 +457,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--envelopes", type=int, default=30)
     parser.add_argument("--scenario", action="append", default=None,
-                        help="drift scenario file name(s) under producers/twin/scenarios")
+                        help="drift scenario file name(s) under twin/scenarios")
     parser.add_argument("--oracle-choice", action="store_true",
                         help="recovery also runs tabletune with its pick after each re-profile "
                         "replaced by the fixed K that did best in that phase's window (a "

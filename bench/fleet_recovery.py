@@ -27,14 +27,14 @@ import numpy as np
 
 from bench.common import emit
 from bench.controller_bench import SETTLE_S, window_rate
-from producers.twin import BUILTIN_SCENARIOS, FixedK, StaticTable, load_scenario, run_scenario
-from producers.twin.config import Scenario
-from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable
 from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
 from tabletune.control_process import ControlProcess
 from tabletune.twin_fleet import Fleet, FleetConfig, engine_scenario
+from twin import BUILTIN_SCENARIOS, FixedK, StaticTable, load_scenario, run_scenario
+from twin.config import Scenario
+from twin.tabletune_policy import TabletunePolicy
 
 
 def run_production(scenario: Scenario, engines: int, speedup: float, work: Path

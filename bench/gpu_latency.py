@@ -15,7 +15,7 @@ passes at the padded request count. A step is then
 (the verify's attention is timed at one query position per request, which makes the verify
 independent of k: a simplification the CSV inherits). Every layer attends to one shared KV
 buffer, so the grid's largest context costs one layer's cache, not 32. Writes the CSV that
-`producers.twin.latency_table` reads, and prints a JSON summary.
+`twin.latency_table` reads, and prints a JSON summary.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from producers.twin.gpu_shapes import CAPTURE_SIZES, padded  # noqa: E402
-from producers.twin.latency_table import LatencyTable, write_latency_table  # noqa: E402
+from twin.gpu_shapes import CAPTURE_SIZES, padded  # noqa: E402
+from twin.latency_table import LatencyTable, write_latency_table  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def capture_real_steps(work: str, batch_sizes: list[int], max_tokens: int) -> di
 
 def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[str, float]:
     """Engine-thread µs per step of the hook's own code, on a captured real step."""
-    from controller.table_switch import TableSwitch
+    from controller.engine.table_switch import TableSwitch
     from producers.identity import EngineIdentity
     from producers.recorder import StepRecorder
     from producers.sinks import FileSink

@@ -64,7 +64,6 @@ from fitter.dataset import SOURCE_OFFSET, SOURCE_PARTITION, read_dataset
 from fitter.ingest import partition_bounds
 from fitter.kafka_clients import close_producer
 from fitter.surface.synthetic import make_step_records
-from producers.twin import BUILTIN_SCENARIOS, load_scenario
 from schemas import FrameError, decode_frame, encode_frame
 from schemas.settings import Settings
 from schemas.step_checks import check_steps
@@ -73,6 +72,7 @@ from tabletune.broker import BrokerError, EmbeddedBroker, TopicLayout
 from tabletune.s3_emulator import S3Emulator
 from tabletune.suite.machine import describe
 from tabletune.twin_fleet import Fleet, FleetConfig
+from twin import BUILTIN_SCENARIOS, load_scenario
 
 log = logging.getLogger("bench.ingest_soak")
 

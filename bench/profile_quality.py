@@ -11,7 +11,7 @@ at every load and >= 99% on average. Prints one JSON object; with --out also wri
     .venv/bin/python bench/profile_quality.py [--quick] [--out DIR]
     .venv/bin/python -m bench.profile_quality --shapes all --traces sharegpt --out DIR
 
-`--shapes`: the same on GPU-shaped latency tables (`producers.twin.gpu_shapes`: staircase,
+`--shapes`: the same on GPU-shaped latency tables (`twin.gpu_shapes`: staircase,
 plateau, eager-jump, drafter-growth) besides or instead of the linear H100 model (`linear`;
 `all` is both), one row per shape x trace x drafter; each table is written as CSV beside
 the profiled table and runs as `[cost] table`. `tabletune bench` reports the file's figure.
@@ -30,12 +30,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from bench.common import emit  # noqa: E402
-from producers.twin import PhaseConfig, Scenario, run_scenario  # noqa: E402
-from producers.twin.config import CostConfig, DrafterConfig, EngineConfig  # noqa: E402
-from producers.twin.gpu_shapes import SHAPES, gpu_shaped_table  # noqa: E402
-from producers.twin.latency_table import write_latency_table  # noqa: E402
-from producers.twin.static import ngram_match_prob_for  # noqa: E402
 from tabletune.profile import DEFAULT_BUDGET_S, profile  # noqa: E402
+from twin import PhaseConfig, Scenario, run_scenario  # noqa: E402
+from twin.config import CostConfig, DrafterConfig, EngineConfig  # noqa: E402
+from twin.gpu_shapes import SHAPES, gpu_shaped_table  # noqa: E402
+from twin.latency_table import write_latency_table  # noqa: E402
+from twin.static import ngram_match_prob_for  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
 TRACES = ("sharegpt", "instructcoder", "gsm8k")

@@ -11,7 +11,7 @@ embedded broker and follows the tables topic.
    C prompts are generated together and output tokens/s measured.
 2. Profile = the fixed-K sweep's telemetry: the real ingest writes it to Parquet, the real
    fitter (`refit_once` -> `decide_refit`) fits a table, which is published to the tables topic
-   (`controller.table_log.publish`) and applied by the engine's controller (table feed).
+   (`controller.fleet.table_log.publish`) and applied by the engine's controller (table feed).
 3. The TableTune table is measured at every concurrency, then the best fixed K of each load is
    measured once more (drift check: the machine is shared).
 
@@ -135,7 +135,7 @@ def _run_engine(args: argparse.Namespace, work: Path, pair: Any, spec: Any, key:
                 timings: dict[str, float], t0: float) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from controller.table_log import publish
+    from controller.fleet.table_log import publish
     from fitter.ingest import IngestConfig, Ingestor
     from schemas import TableKey
     from schemas.settings import Settings

@@ -31,7 +31,7 @@ from bench.serving_plan import (
     speed_of,
 )
 from bench.serving_server import HEALTH_TIMEOUT_S, REPO, ModelSetup, Server, engine_environment
-from controller.table_log import force, publish, read_topic
+from controller.fleet.table_log import force, publish, read_topic
 from schemas import DraftTable, TableKey
 from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings

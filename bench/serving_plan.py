@@ -17,7 +17,7 @@ from typing import Any
 
 FIXED_K = (0, 1, 2, 3, 4)
 VLLM_DOC_TABLE = [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]]
-"""vLLM's documented example table (EAGLE-3 on Llama-3.1-8B; producers.twin's `vllm-doc`)."""
+"""vLLM's documented example table (EAGLE-3 on Llama-3.1-8B; twin's `vllm-doc`)."""
 
 
 @dataclass(frozen=True, slots=True)

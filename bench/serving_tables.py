@@ -9,7 +9,7 @@ import datetime as dt
 from typing import Any
 
 from bench.serving_arm import ArmRun
-from controller.table_log import read_log
+from controller.fleet.table_log import read_log
 from schemas import TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings
 

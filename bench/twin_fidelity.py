@@ -4,7 +4,7 @@
 
 OUT is a finished `bench.real_serving` folder: OUT/real_serving.json (vLLM's client results
 and the telemetry scores per arm and phase) and OUT/parquet (the step records). The twin is
-calibrated (`producers.twin.calibrate`, the code of `tabletune twin calibrate`) on the
+calibrated (`twin.calibrate`, the code of `tabletune twin calibrate`) on the
 records of the `fixed:K` arms only, the profile written to DIR/twin_profile.toml and read
 back from there. Then, for every phase of the run and every fixed K the run has, the twin
 serves that phase as vLLM's client did: an engine of the run's `max_num_seqs` and `max_k`
@@ -45,7 +45,7 @@ import polars as pl
 
 from bench.common import emit
 from fitter.dataset import read_dataset
-from producers.twin import (
+from twin import (
     DrafterConfig,
     EngineConfig,
     PhaseConfig,
@@ -53,7 +53,7 @@ from producers.twin import (
     build_engine,
     load_scenario,
 )
-from producers.twin.calibrate import (
+from twin.calibrate import (
     CalibrationError,
     calibrate,
     measure_acceptance,

@@ -23,7 +23,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from controller.table_switch import StagedTable, TableSwitch
+from controller.engine.table_switch import StagedTable, TableSwitch
 from producers.identity import EngineIdentity, default_engine_id
 from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
@@ -79,7 +79,7 @@ class TableTuneHook:
         if sink_url:
             sink: Any = sink_from_url(sink_url, settings)
             if follow:
-                from controller.engine_watch import TapSink
+                from controller.engine.watch import TapSink
                 sink = tap = TapSink(sink)
             self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
         else:
@@ -233,7 +233,7 @@ class TableTuneScheduler:
 def start_table_feed(settings: Settings, identity: EngineIdentity, switch: TableSwitch,
                      max_num_seqs: int, tap: Any = None) -> Any:
     """Follow the tables topic for this engine's key (TABLETUNE_TABLE_KEY overrides)."""
-    from controller.feed import TableFeed
+    from controller.engine.follower import TableFeed
     from controller.status import StatusPublisher
     from controller.validation import EngineLimits
 

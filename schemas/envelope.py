@@ -378,7 +378,7 @@ def _axis(values: Any, name: str, low: int, high: int) -> list[int]:
 
 
 def _check_surface(surface: Mapping[str, Any], max_batch: int, k_allowed: set[int]) -> None:
-    """The fields readers size arrays from or index (controller.drift, controller.refit_gate):
+    """The fields readers size arrays from or index (controller.drift, controller.fleet.refit_gate):
     axes within the envelope's batch sizes and startup K set, every cell a finite number.
     The fitter's other fields are any JSON, bounded by the message size."""
     if not surface:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from controller.table_log import TABLES_TOPIC_CONFIG
+from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import TopicNames
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class TopicLayout:
         return [
             NewTopic(self.names.telemetry, self.telemetry_partitions, 1),
             # Kept whole: an engine replaying a compacted or expiring log would fold to
-            # another state than it followed live (controller.table_log).
+            # another state than it followed live (controller.fleet.table_log).
             NewTopic(self.names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
             NewTopic(self.names.status, 1, 1),
             NewTopic(self.names.dlq, 1, 1),

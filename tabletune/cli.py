@@ -15,7 +15,13 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from controller.cli_args import (
+from controller.vllm_compat import check_with_vllm
+from schemas import TableError
+from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
+from schemas.settings import ENV_VARS, Settings
+from schemas.signing import generate_private_key, private_key_text, public_key_text
+from schemas.table_files import load_table_file
+from tabletune.cli_args import (
     EXIT_FAILED,
     EXIT_USAGE,
     NON_NEGATIVE,
@@ -24,12 +30,6 @@ from controller.cli_args import (
     integer,
     number,
 )
-from controller.vllm_compat import check_with_vllm
-from schemas import TableError
-from schemas.frames import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_RECORDS
-from schemas.settings import ENV_VARS, Settings
-from schemas.signing import generate_private_key, private_key_text, public_key_text
-from schemas.table_files import load_table_file
 
 EXIT_STATUS = ("Exit status: 0 done; 1 the command failed (a file, a table, a dataset or the "
                "broker; one line on stderr names it); 2 the command line is wrong (the line "
@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fleet engines per group (default 2; a re-profile forces one)")
     demo.set_defaults(handler=run_demo_command)
 
-    from controller.cli import register as register_controller
-    from producers.twin.cli import register as register_twin
-    from tabletune.fit_cli import register as register_fitter
+    from tabletune.cli_control import register as register_controller
+    from tabletune.cli_fit import register as register_fitter
+    from tabletune.cli_twin import register as register_twin
     from tabletune.suite.cli import register as register_suite
 
     register_controller(commands)

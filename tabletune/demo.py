@@ -37,7 +37,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from controller.table_log import read_log
+from controller.fleet.table_log import read_log
 from fitter.ingest import IngestConfig, Ingestor
 from schemas import TableEnvelope, TableKey
 from schemas.settings import Settings
@@ -195,7 +195,7 @@ def _batch_refit(parquet: Path, result: GroupResult, settings: Settings) -> dict
     """The production batch path: `tabletune fit` on what ingest wrote, for this group."""
     import polars as pl
 
-    from controller.table_log import newest_version
+    from controller.fleet.table_log import newest_version
     from fitter.dataset import read_dataset
     from fitter.refit import decide_refit
 
@@ -258,7 +258,7 @@ def _compare(results: dict[str, GroupResult], phase_s: float, out_dir: Path,
 
 def _run_text(text: str, spec: str) -> dict[str, Any]:
     """One in-memory twin run of a scenario's TOML text under policy `spec`."""
-    from producers.twin.run import run_scenario
-    from producers.twin.scenario_file import parse_scenario
+    from twin.run import run_scenario
+    from twin.scenario_file import parse_scenario
 
     return run_scenario(parse_scenario(text, base_dir=Path(".")), spec).to_dict()

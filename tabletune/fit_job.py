@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.table_log import publish, read_log
+from controller.fleet.table_log import publish, read_log
 from fitter.dataset import SkippedFile, load_dataset
 from fitter.refit import DEFAULT_THRESHOLD, RefitDecision, decide_refit, key_from_records
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S

@@ -1,7 +1,7 @@
 """The profile sweep: a first draft table for a cold engine within a fixed engine-time budget.
 
     from tabletune.profile import profile
-    result = profile("twin:producers/twin/scenarios/sharegpt-eagle.toml", out_dir="prof")
+    result = profile("twin:twin/scenarios/sharegpt-eagle.toml", out_dir="prof")
     result.envelope            # the TableEnvelope, also written to prof/table.json
 
 The sweep forces K for every batch size through the engine's table switch (telemetry marks
@@ -28,10 +28,10 @@ from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.profile_plan import DEFAULT_CONCURRENCIES, concurrency_levels
 from fitter.surface.fit import fit_surface
 from producers.recorder import Sink
-from producers.twin.config import CostConfig, Scenario
-from producers.twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 from schemas import TableEnvelope, TableKey
 from tabletune.profile_twin import CellRun, ProgressCallback, run_twin_profile
+from twin.config import CostConfig, Scenario
+from twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 
 DEFAULT_BUDGET_S = 120.0
 """Two minutes of engine time (virtual time on the twin)."""

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.table_log import control, force, publish
+from controller.fleet.table_log import control, force, publish
 from fitter.dataset import read_dataset
 from fitter.derive import DEFAULT_TOLERANCE
 from fitter.profile_plan import Cell, concurrency_levels, next_cell

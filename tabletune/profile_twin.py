@@ -22,14 +22,14 @@ import pyarrow as pa
 from fitter.profile_plan import Cell, CellScore, next_cell
 from fitter.surface.fit import SurfaceFit, fit_surface
 from producers.recorder import Sink
-from producers.twin.config import PhaseConfig, Scenario
-from producers.twin.policies import Policy
-from producers.twin.run import build_engine
 from schemas import DraftTable
 from schemas.step_record import STEP_RECORD_SCHEMA
+from twin.config import PhaseConfig, Scenario
+from twin.policies import Policy
+from twin.run import build_engine
 
 if TYPE_CHECKING:
-    from producers.twin.engine import StepStats, TwinEngine
+    from twin.engine import StepStats, TwinEngine
 
 log = logging.getLogger(__name__)
 

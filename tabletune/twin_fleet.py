@@ -19,21 +19,21 @@ from typing import Any
 
 import numpy as np
 
-from controller.channel import clock_time
-from controller.feed import TableFeed
+from controller.engine.follower import TableFeed
+from controller.fleet.channel import clock_time
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from controller.vllm_compat import check_with_vllm
 from producers.identity import EngineIdentity
 from producers.kafka_sink import KafkaSink
 from producers.recorder import RecorderConfig, StepRecorder
-from producers.twin.config import Scenario
-from producers.twin.policies import VLLM_DOC_TABLE, Policy
-from producers.twin.run import build_engine, phase_spans
-from producers.twin.scenario_file import load_scenario
-from producers.twin.summary import summarize
 from schemas import DraftTable, TableKey
 from schemas.settings import Settings
+from twin.config import Scenario
+from twin.policies import VLLM_DOC_TABLE, Policy
+from twin.run import build_engine, phase_spans
+from twin.scenario_file import load_scenario
+from twin.summary import summarize
 
 MIN_FRAME_INTERVAL_S = 0.02
 """Wall seconds between an engine's telemetry frames at most speedups: below this, Kafka

@@ -12,10 +12,10 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
-from controller.table_log import TABLES_TOPIC_CONFIG
-from producers.twin.synthetic_traces import PROFILES, write_traces
+from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
+from twin.synthetic_traces import PROFILES, write_traces
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

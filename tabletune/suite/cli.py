@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.cli_args import integer
+from tabletune.cli_args import integer
 from tabletune.suite.grid import SUITES
 
 

@@ -15,9 +15,9 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from producers.twin import BUILTIN_SCENARIOS
-from producers.twin.config import CostConfig, DrafterConfig, EngineConfig, PhaseConfig, Scenario
-from producers.twin.static import ngram_match_prob_for
+from twin import BUILTIN_SCENARIOS
+from twin.config import CostConfig, DrafterConfig, EngineConfig, PhaseConfig, Scenario
+from twin.static import ngram_match_prob_for
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO.parent / "shared" / "data" / "specdecode-bench"
@@ -58,7 +58,7 @@ class SuiteSpec:
     """Policies besides fixed K 0..max_k (always run: they define the oracle)."""
     drift: tuple[str, ...] = ("chat-code-chat-ngram", "eagle-concurrency-jump",
                               "context-growth")
-    """Drift scenario files (stems, in producers/twin/scenarios, or paths)."""
+    """Drift scenario files (stems, in twin/scenarios, or paths)."""
     settle_s: float = 120.0
     """Drift: each new phase is measured after this long (the controller's time to react)."""
     profile_budget_s: float = 120.0
@@ -141,6 +141,6 @@ def traces_found(spec: SuiteSpec) -> dict[str, bool]:
 
 
 def drift_scenario(path: Path) -> Scenario:
-    from producers.twin.scenario_file import load_scenario
+    from twin.scenario_file import load_scenario
 
     return load_scenario(path)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producers.twin.config import Scenario
+from twin.config import Scenario
 
 Progress = Callable[[int, int, dict[str, Any]], None]
 """(done, total, the result just finished)."""
@@ -99,7 +99,7 @@ def _collect(stream: Iterable[tuple[int, dict[str, Any]]], results: list[dict[st
 
 
 def _run_policy(scenario: Scenario | str | Path, spec: str) -> tuple[Any, dict[str, Any]]:
-    from producers.twin import make_policy, run_scenario
+    from twin import make_policy, run_scenario
 
     policy = make_policy(spec)
     try:
@@ -137,8 +137,8 @@ def _run_drift(task: Task) -> dict[str, Any]:
 
 
 def _run_stale(task: Task) -> dict[str, Any]:
-    from producers.twin import load_scenario
     from tabletune.profile import profile
+    from twin import load_scenario
 
     assert task.path is not None and task.table_dir is not None
     scenario = load_scenario(task.path)

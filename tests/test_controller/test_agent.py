@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from controller.agent import Mode, TableAgent
+from controller.engine.agent import Mode, TableAgent
 from controller.validation import EngineLimits
 from schemas import DraftTable, SignatureError, TableControl, TableEnvelope, TableKey
 from schemas.control import new_control_id

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from controller import channel as channel_module
-from controller.channel import KafkaChannel
-from controller.table_log import read_topic
+from controller.fleet import channel as channel_module
+from controller.fleet.channel import KafkaChannel
+from controller.fleet.table_log import read_topic
 from schemas import DraftTable, TableControl, TableKey, parse_table_message
 from schemas.control import new_control_id
 from tabletune.broker import free_port

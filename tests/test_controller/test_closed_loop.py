@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from controller.sweep import confirmation_k_values, first_position_acceptance
-from producers.twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
-from producers.twin.config import CostConfig, DrafterConfig
-from producers.twin.tabletune_policy import TabletunePolicy
+from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
+from twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
+from twin.config import CostConfig, DrafterConfig
+from twin.tabletune_policy import TabletunePolicy
 
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 NGRAM_CHAT = (0.35, 0.84, 0.87, 0.90, 0.91)

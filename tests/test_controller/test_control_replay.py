@@ -12,13 +12,13 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from controller.channel import InMemoryChannel
-from controller.engine_feed import EngineFeed
-from controller.feed import TableFeed, wall_clock
-from controller.loop import ClosedLoop
+from controller.engine.feed import EngineFeed
+from controller.engine.follower import TableFeed, wall_clock
+from controller.engine.table_switch import TableSwitch
+from controller.fleet.channel import InMemoryChannel
+from controller.fleet.loop import ClosedLoop
+from controller.fleet.table_log import control, force, publish, read_topic
 from controller.status import StatusPublisher
-from controller.table_log import control, force, publish, read_topic
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from producers.metrics import engine_counters
 from schemas import DraftTable, EnvelopeError, TableControl, TableEnvelope, TableKey

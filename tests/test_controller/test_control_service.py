@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from controller.feed import TableFeed
+from controller.engine.follower import TableFeed
+from controller.engine.table_switch import TableSwitch
+from controller.fleet.table_log import read_topic
 from controller.status import StatusPublisher
-from controller.table_log import read_topic
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
-from producers.twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
 from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.test_controller.test_closed_loop import ngram_chat_to_code
+from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 SPEEDUP = 10.0

@@ -1,12 +1,12 @@
 """Guardrail and drift inside an engine: frames tapped from the recorder's sink drive a
-rollback through the TableAgent, as in production (controller/engine_watch.py)."""
+rollback through the TableAgent, as in production (controller/engine/watch.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from controller.agent import TableAgent
-from controller.engine_watch import EngineWatch, TapSink
+from controller.engine.agent import TableAgent
+from controller.engine.watch import EngineWatch, TapSink
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from producers.sinks import FileSink, read_file_sink

@@ -16,10 +16,10 @@ import pytest
 from kafka import KafkaProducer
 
 from controller.drift import DriftDetector
-from controller.engine_feed import EngineFeed
-from controller.feed import TableFeed, wall_clock
+from controller.engine.feed import EngineFeed
+from controller.engine.follower import TableFeed, wall_clock
+from controller.engine.table_switch import TableSwitch
 from controller.status import StatusPublisher
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from fitter.derive import fit_table
 from fitter.surface.synthetic import make_step_records

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controller.engine.table_switch import TableSwitch
 from controller.exploration import (
     ExplorationConfig,
     Explorer,
     explorer_for,
     plan_candidates,
 )
-from controller.table_switch import TableSwitch
 from schemas import DraftTable
 
 TABLE = DraftTable.from_vllm([[1, 16, 5], [17, 64, 3], [65, 128, 1]])

@@ -3,10 +3,10 @@ tables topic, and leaves the engine on its table."""
 
 from __future__ import annotations
 
-from controller.engine_feed import EngineFeed
-from controller.feed import wall_clock
+from controller.engine.feed import EngineFeed
+from controller.engine.follower import wall_clock
+from controller.engine.table_switch import TableSwitch
 from controller.status import StatusPublisher
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableKey
 from schemas.control import new_control_id

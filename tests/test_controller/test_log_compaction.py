@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from controller.engine_feed import EngineFeed
-from controller.feed import wall_clock
-from controller.status import StatusPublisher
-from controller.table_log import (
+from controller.engine.feed import EngineFeed
+from controller.engine.follower import wall_clock
+from controller.engine.table_switch import TableSwitch
+from controller.fleet.table_log import (
     TABLES_TOPIC_CONFIG,
     Record,
     check_tables_topic,
@@ -26,7 +26,7 @@ from controller.table_log import (
     force,
     topic_config_problems,
 )
-from controller.table_switch import TableSwitch
+from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings, SettingsError

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controller.loop import ClosedLoop
+from controller.fleet.loop import ClosedLoop
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
-from producers.twin import EngineConfig, PhaseConfig, Scenario, run_scenario
-from producers.twin.tabletune_policy import TabletunePolicy
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 from schemas.control import new_control_id
 from tests.test_controller.test_closed_loop import EAGLE, ngram_chat_to_code
+from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
+from twin.tabletune_policy import TabletunePolicy
 
 
 def operator(key: TableKey, action: str, version: int | None = None) -> TableControl:

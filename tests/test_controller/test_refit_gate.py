@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.refit_gate import predicted_gain
+from controller.fleet.refit_gate import predicted_gain
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from controller.service import ControlService
+from controller.fleet.service import ControlService
 from controller.validation import EngineLimits
 from fitter.surface.synthetic import make_step_records
 from schemas import DraftTable, TableKey

@@ -10,12 +10,12 @@ import hashlib
 import hmac
 import json
 
-from controller.channel import KafkaChannel
-from controller.engine_feed import EngineFeed
-from controller.feed import TableFeed, wall_clock
+from controller.engine.feed import EngineFeed
+from controller.engine.follower import TableFeed, wall_clock
+from controller.engine.table_switch import TableSwitch
+from controller.fleet.channel import KafkaChannel
+from controller.fleet.table_log import control, publish
 from controller.status import StatusPublisher
-from controller.table_log import control, publish
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableEnvelope, TableKey, canonical_json
 from schemas.settings import Settings

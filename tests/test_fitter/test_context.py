@@ -12,7 +12,7 @@ import pytest
 from fitter.surface.context import CONTEXT_COLUMNS, RequestContextModel
 from fitter.surface.telemetry import request_segment_rows, to_frame
 from producers.sinks import read_file_sink
-from producers.twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
+from twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
 
 
 def _row(request: int, steps: int, tokens: int, context: float, rate: float,

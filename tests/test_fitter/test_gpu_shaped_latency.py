@@ -1,7 +1,7 @@
 """The fitter on GPU-shaped latency: profiled tables hold on staircases, plateaus and jumps.
 
 The ground truth is not the fitter's own family (an intercept plus hinges in batched tokens):
-the twin replays a latency grid (`producers.twin.gpu_shapes`: CUDA-graph padding, a flat floor
+the twin replays a latency grid (`twin.gpu_shapes`: CUDA-graph padding, a flat floor
 to 1,024 tokens, an eager jump past 512, a drafter that grows with the padded batch). The
 profile sees only the twin's step records; its table is scored per batch size against the
 grid itself: decode goodput B * AL(K) / T(B (K + 1), context, K) at the table's K over the
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from producers.twin import PhaseConfig, Scenario
-from producers.twin.config import CostConfig, DrafterConfig, EngineConfig
-from producers.twin.gpu_shapes import SHAPES, gpu_shaped_table, step_latency_s
-from producers.twin.latency_table import write_latency_table
 from tabletune.profile import profile
+from twin import PhaseConfig, Scenario
+from twin.config import CostConfig, DrafterConfig, EngineConfig
+from twin.gpu_shapes import SHAPES, gpu_shaped_table, step_latency_s
+from twin.latency_table import write_latency_table
 
 ACCEPTANCE = {"eagle": (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80),  # ShareGPT (docs/TWIN.md)
               "ngram": (0.65, 0.93, 0.94, 0.95, 0.95)}  # InstructCoder: n-gram that pays

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from controller.feed import TableFeed
+from controller.engine.follower import TableFeed
+from controller.engine.table_switch import TableSwitch
 from controller.status import StatusPublisher
-from controller.table_switch import TableSwitch
 from controller.validation import EngineLimits
 from fitter.dataset import escape, hive_path, read_dataset, unescape
 from fitter.ingest import IngestConfig, Ingestor

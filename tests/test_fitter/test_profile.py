@@ -12,11 +12,11 @@ from fitter.profile_plan import Cell, next_cell, score_cells, seed_design
 from fitter.surface.fit import fit_surface
 from fitter.surface.synthetic import make_step_records
 from producers.sinks import FileSink, read_file_sink
-from producers.twin import PhaseConfig, Scenario
-from producers.twin.config import EngineConfig
 from schemas import TableEnvelope
 from schemas.table_files import load_table_file
 from tabletune.profile import ProfileError, profile
+from twin import PhaseConfig, Scenario
+from twin.config import EngineConfig
 
 LOADS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KS = tuple(range(8))

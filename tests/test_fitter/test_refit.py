@@ -11,7 +11,7 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
-from controller.table_log import newest_version, publish, read_log
+from controller.fleet.table_log import newest_version, publish, read_log
 from fitter.dataset import file_name, hive_path
 from fitter.refit import RefitError, decide_refit, key_from_records, parse_since
 from fitter.surface.synthetic import make_step_records

@@ -14,7 +14,7 @@ from fitter.surface.fit import fit_surface
 from fitter.surface.spread import SPREAD_Z, RequestSpreadTest
 from fitter.surface.synthetic import make_step_records, true_acceptance_length
 from producers.sinks import read_file_sink
-from producers.twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
+from twin import EngineConfig, FixedK, PhaseConfig, Scenario, run_scenario
 
 POSITIONS = 3
 

@@ -13,10 +13,10 @@ import time
 
 from kafka import KafkaProducer
 
-from controller import channel as channel_module
-from controller.channel import KafkaChannel
+from controller.fleet import channel as channel_module
+from controller.fleet.channel import KafkaChannel
+from controller.fleet.table_log import control
 from controller.status import StatusPublisher
-from controller.table_log import control
 from fitter.kafka_clients import close_producer
 from producers.kafka_sink import KafkaSink, KafkaSinkConfig
 from schemas import TableKey, records_to_table

@@ -282,7 +282,7 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
                                                                stock_outputs):
     from kafka import KafkaProducer
 
-    from controller.table_log import publish
+    from controller.fleet.table_log import publish
     from schemas.settings import Settings
 
     llm, scheduler = engine
@@ -355,7 +355,7 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     """The profiler's cells on a live server: `force` runs a table (steps marked forced)
     over whatever version the engine follows; `release` gives the followed table back."""
 
-    from controller.table_log import control, force, publish
+    from controller.fleet.table_log import control, force, publish
     from schemas import TableKey
     from schemas.settings import Settings
 

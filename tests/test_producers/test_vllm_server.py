@@ -127,7 +127,7 @@ def test_profile_through_the_openai_api_forces_each_cells_k(openai_server, broke
     the live server through the tables topic, its steps say so, and the end releases it."""
     import threading
 
-    from controller.table_log import read_topic
+    from controller.fleet.table_log import read_topic
     from fitter.dataset import read_dataset
     from fitter.ingest import IngestConfig, Ingestor
     from schemas.settings import Settings

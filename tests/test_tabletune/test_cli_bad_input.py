@@ -21,10 +21,10 @@ import pytest
 
 from fitter.dataset import file_name, hive_path
 from fitter.surface.synthetic import make_step_records
-from producers.twin.scenario_file import BUILTIN_SCENARIOS
 from schemas import DraftTable, TableEnvelope, TableKey
 from tabletune.broker import free_port
 from tabletune.cli import main
+from twin.scenario_file import BUILTIN_SCENARIOS
 
 SCENARIO = str(BUILTIN_SCENARIOS / "load-drift.toml")
 KEY = "m|eagle|h100"

@@ -4,7 +4,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.table_switch import TableSwitch
+from controller.engine.table_switch import TableSwitch
 from producers.identity import EngineIdentity
 from producers.metrics import CountersCollector, engine_counters, serve_metrics
 from producers.recorder import StepRecorder

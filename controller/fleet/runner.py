@@ -1,0 +1,228 @@
+"""`tabletune control`: the `ControlService` fed from Kafka, with the telemetry as its clock.
+
+Three readers, none in a consumer group (the service needs every engine of its keys and
+commits nothing; its state lives in the topics):
+- the tables topic from the beginning: each key's newest version and current envelope, so a
+  restarted service goes on from them (LIVE, no second profile, no reused version);
+- the status topic from the beginning: the engines' `started` announcements (K set, batch
+  limit, startup table), which a cold key's profile needs;
+- the telemetry topic from `lookback_s` ago (broker time): every engine's steps.
+Before serving, the first two are read until idle. The clock of a key is the newest step
+timestamp seen for it, so engines paced faster than real time (the twin) and a real fleet
+look alike. A stop (SIGTERM, Ctrl-C) releases every force the service holds; a kill -9
+leaves them to expire (`LoopConfig.force_grace_s` after their block).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, TopicPartition
+
+from controller.fleet.channel import KafkaChannel
+from controller.fleet.loop_config import LoopConfig
+from controller.fleet.service import ControlService
+from controller.validation import EngineLimits
+from controller.vllm_compat import check_with_vllm
+from schemas import (
+    DraftTable,
+    EnvelopeError,
+    FrameError,
+    SignatureError,
+    TableControl,
+    TableEnvelope,
+    TableError,
+    TableKey,
+    decode_frame,
+    parse_table_message,
+)
+from schemas.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRunConfig:
+    key: TableKey | None = None
+    """Serve this key alone (None: every key whose engines announce themselves)."""
+    lookback_s: float = 180.0
+    """Telemetry read at start-up from this far back (broker time): a restart's fits see
+    the last minutes again instead of waiting for them."""
+    poll_ms: int = 100
+    """How long one poll of a topic waits: the service's reaction time, at most."""
+
+    def __post_init__(self) -> None:
+        if self.lookback_s < 0:
+            raise ValueError(f"lookback_s={self.lookback_s} must be >= 0")
+        if not 1 <= self.poll_ms <= 10_000:
+            raise ValueError(f"poll_ms={self.poll_ms} must be in 1..10000")
+
+
+class ControlRunner:
+    def __init__(self, settings: Settings, fit: object, *,
+                 config: ControlRunConfig | None = None,
+                 loop_config: LoopConfig | None = None) -> None:
+        settings.require_bootstrap()
+        self.settings = settings
+        self.config = config or ControlRunConfig()
+        channels: dict[TableKey, KafkaChannel] = {}
+
+        def channel_for(key: TableKey) -> KafkaChannel:
+            return channels.setdefault(key, KafkaChannel(settings))
+
+        self.channels = channels
+        self.service = ControlService(fit, channel_for, config=loop_config, settings=settings,  # type: ignore[arg-type]
+                                      only_key=self.config.key)
+        self.records = 0
+        self.history_records = 0
+        self.bad_frames = 0
+        self._stop = threading.Event()
+        self._telemetry: KafkaConsumer | None = None
+        self._live_from: dict[TopicPartition, int] = {}
+        """Per partition, the first offset that is live: the high watermark when it was
+        first fetched. What came before is the lookback's history, for fits only."""
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, timeout_s: float | None = None) -> None:
+        """Serve until `stop()` (or `timeout_s` of wall time, for tests)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        check_with_vllm(DraftTable.from_vllm([[1, 1, 0]]))  # loads vLLM's validator now, not at the first table
+        topics = self.settings.topics
+        tables = self._reader(topics.tables, from_beginning=True)
+        status = self._reader(topics.status, from_beginning=True)
+        try:
+            self._catch_up(tables, self._on_table)
+            self._catch_up(status, self._on_status)
+            telemetry = self._telemetry = self._reader(topics.telemetry, from_beginning=False)
+            log.info("ready: %d key(s) known from the tables and status topics",
+                     len(self.service.starts))
+            try:
+                while not self._stop.is_set():
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    self._drain(status, self._on_status, timeout_ms=0)
+                    self._drain(tables, self._on_table, timeout_ms=0)
+                    self._drain(telemetry, self._on_telemetry, timeout_ms=self.config.poll_ms)
+                    self.service.tick()
+                    for channel in self.channels.values():
+                        if channel.unsent:
+                            channel.resend()
+            finally:
+                telemetry.close()
+        finally:
+            self._release_all()
+            tables.close()
+            status.close()
+            for channel in self.channels.values():
+                channel.close()
+
+    # ---- readers --------------------------------------------------------------------------
+    def _reader(self, topic: str, *, from_beginning: bool) -> KafkaConsumer:
+        consumer = KafkaConsumer(**self.settings.client_kwargs(), enable_auto_commit=False,
+                                 group_id=None, fetch_max_bytes=64 * 1024 * 1024)
+        partitions = None
+        while partitions is None and not self._stop.is_set():
+            partitions = consumer.partitions_for_topic(topic)
+            if partitions is None:  # started before the topics exist: wait for them
+                self._stop.wait(0.5)
+        assigned = [TopicPartition(topic, p) for p in sorted(partitions or ())]
+        consumer.assign(assigned)
+        if not assigned:
+            return consumer
+        if from_beginning:
+            consumer.seek_to_beginning(*assigned)
+            return consumer
+        if self.config.lookback_s <= 0:
+            consumer.seek_to_end(*assigned)
+            return consumer
+        since_ms = int((time.time() - self.config.lookback_s) * 1000)
+        offsets = consumer.offsets_for_times({tp: since_ms for tp in assigned})
+        for tp in assigned:
+            found = offsets.get(tp)
+            if found is None:  # nothing that recent: only what comes next
+                consumer.seek_to_end(tp)
+            else:
+                consumer.seek(tp, found.offset)
+        return consumer
+
+    def _catch_up(self, consumer: KafkaConsumer, handle: object, idle_polls: int = 3) -> None:
+        """Read until `idle_polls` polls in a row bring nothing (end offsets are not
+        trustworthy on every Kafka-protocol broker; an idle poll is)."""
+        idle = 0
+        while idle < idle_polls and not self._stop.is_set():
+            idle = 0 if self._drain(consumer, handle, timeout_ms=200) else idle + 1
+
+    @staticmethod
+    def _drain(consumer: KafkaConsumer, handle: object, *, timeout_ms: int) -> int:
+        count = 0
+        for messages in consumer.poll(timeout_ms=timeout_ms).values():
+            for message in messages:
+                handle(message)  # type: ignore[operator]
+                count += 1
+        return count
+
+    # ---- messages -------------------------------------------------------------------------
+    def _on_table(self, message: object) -> None:
+        try:
+            parsed = parse_table_message(message.value)  # type: ignore[attr-defined]
+        except (EnvelopeError, TableError):
+            return  # engines reject it with a reason; nothing for the service to learn
+        loop = self.service.loop(parsed.key)
+        now_s = loop.clock_s if loop is not None else None
+        if isinstance(parsed, TableEnvelope):
+            self.service.table_seen(parsed, now_s)
+        elif isinstance(parsed, TableControl):
+            keyring = self.settings.keyring()
+            if keyring:
+                try:
+                    parsed.verify(keyring)
+                except SignatureError:
+                    return  # engines refuse it too, naming the reason
+            self.service.control_seen(parsed, now_s)
+
+    def _on_status(self, message: object) -> None:
+        try:
+            event = json.loads(message.value)  # type: ignore[attr-defined]
+            if not isinstance(event, dict) or event.get("event") != "started" \
+                    or "startup_table" not in event:
+                return
+            key = TableKey.parse(str(event["table_key"]))
+            limits = EngineLimits(key, frozenset(int(k) for k in event["startup_k_values"]),
+                                  int(event["max_batch"]))
+            startup = DraftTable.from_vllm(event["startup_table"])
+        except (ValueError, TypeError, KeyError, AttributeError, EnvelopeError, TableError):
+            return  # another producer's event, or an older engine's without limits
+        engine_id = event.get("engine_id")
+        self.service.engine_started(key, limits, startup,
+                                    engine_id=engine_id if isinstance(engine_id, str) else None)
+
+    def _on_telemetry(self, message: object) -> None:
+        try:
+            records = decode_frame(message.value or b"",  # type: ignore[attr-defined]
+                                   list(message.headers or []))  # type: ignore[attr-defined]
+        except FrameError:
+            self.bad_frames += 1  # ingest dead-letters it; the service only skips it
+            return
+        tp = TopicPartition(message.topic, message.partition)  # type: ignore[attr-defined]
+        live_from = self._live_from.get(tp)
+        if live_from is None:
+            assert self._telemetry is not None
+            highwater = self._telemetry.highwater(tp)
+            live_from = self._live_from[tp] = (message.offset  # type: ignore[attr-defined]
+                                               if highwater is None else highwater)
+        if message.offset < live_from:  # type: ignore[attr-defined]
+            self.history_records += records.num_rows
+            self.service.history(records)
+            return
+        self.records += records.num_rows
+        self.service.records(records)
+
+    def _release_all(self) -> None:
+        for loop in self.service.loops():
+            loop.release_forces()

@@ -1,0 +1,102 @@
+"""The command lines of `tabletune tables`, `tabletune controller` and `tabletune control`.
+
+Parsing only: each command's work is in `tabletune.control_commands`, imported when that command
+runs, so that commands that never talk to a broker (`tabletune twin run`) do not pay for
+importing kafka-python (a third of a twin run's start-up)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from tabletune.cli_args import NON_NEGATIVE, POSITIVE, integer, number, table_key
+
+
+def register(commands: Any) -> None:
+    tables = commands.add_parser("tables", help="publish and follow table envelopes")
+    table_commands = tables.add_subparsers(title="tables commands", metavar="COMMAND",
+                                           required=True)
+    pub = table_commands.add_parser(
+        "publish", help="publish a TableEnvelope JSON file to the tables topic",
+        description="Signs it (Ed25519) with TABLETUNE_SIGNING_KEY_ID and "
+        "TABLETUNE_SIGNING_KEY when they are set.")
+    pub.add_argument("file")
+    _bootstrap(pub)
+    pub.set_defaults(handler=_command("run_publish"))
+    follow = table_commands.add_parser(
+        "follow", help="print each envelope of a key as one JSON line (for pipelines)",
+        description="Reads the tables topic from the beginning and prints every envelope "
+        "of KEY whose version is newer than the last printed, then keeps following. "
+        "Operator controls are not printed. Ctrl-C stops.")
+    follow.add_argument("--key", type=table_key, required=True, help="model|drafter|hardware")
+    follow.add_argument("--exit-when-idle", action="store_true",
+                        help="stop once caught up instead of following")
+    _bootstrap(follow)
+    follow.set_defaults(handler=_command("run_follow"))
+
+    ctl = commands.add_parser("controller", help="inspect and steer the engines' tables")
+    ctl_commands = ctl.add_subparsers(title="controller commands", metavar="COMMAND",
+                                      required=True)
+    show = ctl_commands.add_parser("show", help="history, active versions, recent events")
+    show.add_argument("key", type=table_key, help="model|drafter|hardware")
+    _bootstrap(show)
+    show.set_defaults(handler=_command("run_show"))
+    pin = ctl_commands.add_parser("pin", help="hold engines of KEY on VERSION")
+    pin.add_argument("key", type=table_key)
+    pin.add_argument("version", type=integer(1))
+    _bootstrap(pin)
+    pin.set_defaults(handler=_command("run_control"), action="pin")
+    for action, text in (("unpin", "release a pin: follow the newest version again"),
+                         ("rollback", "move engines of KEY back to the previous version")):
+        sub = ctl_commands.add_parser(action, help=text)
+        sub.add_argument("key", type=table_key)
+        _bootstrap(sub)
+        sub.set_defaults(handler=_command("run_control"), action=action, version=None)
+
+    serve = commands.add_parser(
+        "control", help="the control service: profiles, refits, re-profiles every key",
+        description="Long-running. Reads every engine's telemetry, the tables topic and "
+        "the engines' status announcements; per table key it profiles a cold fleet "
+        "(forced K on every engine), publishes the first table, refits on a period, and "
+        "after a drift re-profiles a canary share of the engines and publishes the new "
+        "table. Its clock is the telemetry's timestamps. State lives in the topics: a "
+        "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
+        "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap).")
+    serve.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
+                       help="serve this key alone (default: every key whose engines announce "
+                       "themselves)")
+    serve.add_argument("--lookback-s", type=NON_NEGATIVE, default=180.0,
+                       help="telemetry from this many seconds before start-up, for the "
+                       "first fits only (default 180; 0: only new steps)")
+    serve.add_argument("--canary-share", type=number(0, 1, low_open=True), default=0.25,
+                       help="share of a key's engines a re-profile forces, at least one "
+                       "(default 0.25)")
+    serve.add_argument("--refit-s", type=POSITIVE, default=30.0,
+                       help="telemetry seconds between periodic refits (default 30)")
+    serve.add_argument("--decisions", default=None, metavar="FILE",
+                       help="append every decision of every key's loop to FILE as it is "
+                       "taken, one JSON object a line (profile, refit, stale, reprofile, "
+                       "stage, ...; each also goes to stderr as a log line); FILE is created "
+                       "at start, so a path that cannot be written fails before the service "
+                       "runs")
+    serve.add_argument("--duration-s", type=POSITIVE, default=None,
+                       help="stop after this many wall seconds (default: run until stopped)")
+    _bootstrap(serve)
+    serve.set_defaults(handler=_command("run_control_service"))
+
+
+def _bootstrap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap", default=None,
+                        help="host:port[,host:port] (default: TABLETUNE_BOOTSTRAP)")
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler `name` of `tabletune.control_commands`, imported when its command runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        from tabletune import control_commands as commands
+
+        return int(getattr(commands, name)(args))
+
+    return run

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import time
 
 import pytest
 from kafka import KafkaProducer
@@ -184,7 +183,11 @@ def test_a_replayed_rollback_on_the_broker_is_refused_live_and_after_a_restart(
             producer.send(settings.topics.tables, key=str(KEY).encode(), value=original).get(10)
         producer.close()
         assert wait_until(lambda: len(rejected(status)) == 2)
-        time.sleep(1.0)  # nothing more comes
+        # a release with no force in effect changes nothing; once it is folded, so is
+        # everything before it, and the poll that held the copies has been synced
+        marker = control(KEY, "release")
+        publish(settings, marker)
+        assert wait_until(lambda: _folded(feed, marker))
         switch.apply_staged()
         assert switch.version == 2
         assert [e["reason"] for e in rejected(status)] == ["replayed", "replayed"]
@@ -194,13 +197,23 @@ def test_a_replayed_rollback_on_the_broker_is_refused_live_and_after_a_restart(
     restarted, restarted_switch, restarted_status = _follow(settings, "live-engine")
     try:
         assert wait_until(lambda: len(rejected(restarted_status)) == 2)
-        time.sleep(1.0)
-        restarted_switch.apply_staged()
+
+        def settled() -> bool:
+            """The whole log folded and the switch on what the fold decided."""
+            restarted_switch.apply_staged()
+            return _folded(restarted, marker) and not restarted_switch.pending \
+                and restarted_switch.version == restarted.agent.state.desired_version
+        assert wait_until(settled)
         assert restarted_switch.version == 2
         assert restarted.agent.state == feed.agent.state
         assert [e["reason"] for e in rejected(restarted_status)] == ["replayed", "replayed"]
     finally:
         restarted.stop()
+
+
+def _folded(feed: TableFeed, marker: TableControl) -> bool:
+    """Whether `feed` has folded `marker` (a control published after the ones under test)."""
+    return marker.control_id in feed.agent.state.folded_controls
 
 
 def _tables(settings: Settings) -> list[tuple[int, bytes]]:

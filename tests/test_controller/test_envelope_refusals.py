@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from controller.drift import DriftDetector
 from controller.engine.feed import EngineFeed
 from controller.engine.follower import TableFeed, wall_clock
 from controller.engine.table_switch import TableSwitch
+from controller.fleet.table_log import control
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from fitter.derive import fit_table
@@ -132,7 +132,11 @@ def test_bad_envelopes_on_the_broker_are_each_refused_once(topic_settings: Setti
             return switch.version == version
         assert wait_until(lambda: running(1))
         assert wait_until(lambda: len(rejected(status)) >= 3)
-        time.sleep(2.0)  # a feed that fails retries after 1 s: time for it to show
+        # a feed that fails retries (after 1 s) before it reads on: once it has folded a
+        # release sent now (which changes nothing), any retry has shown
+        marker = control(KEY, "release")
+        _send(topic_settings, [marker.to_json()])
+        assert wait_until(lambda: marker.control_id in feed.agent.state.folded_controls)
         assert running(1) and not switch.pending
         assert [(e["offset"], e["reason"]) for e in rejected(status)] == [
             (1, "bad_envelope"), (2, "bad_envelope"), (3, "bad_envelope")]

@@ -33,10 +33,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit  # noqa: E402
-from controller.fleet.loop import CHOSEN_AMONG_K  # noqa: E402
-from schemas import DraftTable, TableEnvelope  # noqa: E402
-from twin import (  # noqa: E402
+from bench.common import emit
+from controller.fleet.loop import CHOSEN_AMONG_K
+from schemas import DraftTable, TableEnvelope
+from twin import (
     BUILTIN_SCENARIOS,
     FixedK,
     Policy,
@@ -44,7 +44,7 @@ from twin import (  # noqa: E402
     load_scenario,
     run_scenario,
 )
-from twin.tabletune_policy import TabletunePolicy  # noqa: E402
+from twin.tabletune_policy import TabletunePolicy
 
 DRIFT = ("chat-code-chat-ngram.toml", "eagle-concurrency-jump.toml", "context-growth.toml")
 SETTLE_S = 120.0

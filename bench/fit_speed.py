@@ -22,8 +22,8 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from fitter.derive import fit_table  # noqa: E402
-from fitter.surface.synthetic import make_step_records  # noqa: E402
+from fitter.derive import fit_table
+from fitter.surface.synthetic import make_step_records
 
 MAX_BATCH = 256
 MAX_K = 7

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from twin.gpu_shapes import CAPTURE_SIZES, padded  # noqa: E402
-from twin.latency_table import LatencyTable, write_latency_table  # noqa: E402
+from twin.gpu_shapes import CAPTURE_SIZES, padded
+from twin.latency_table import LatencyTable, write_latency_table
 
 
 @dataclass(frozen=True)

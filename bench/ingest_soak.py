@@ -134,7 +134,7 @@ class Replica:
     crashes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def start(self) -> None:
-        handle = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
+        handle = open(self.log_path, "ab")  # the child holds it
         handle.write(f"--- start {self.starts + 1} at {time.strftime('%H:%M:%S')}\n".encode())
         handle.flush()
         self.process = subprocess.Popen(self.command, stdout=handle, stderr=handle,
@@ -265,7 +265,7 @@ class MalformedProducer(threading.Thread):
                     meta = producer.send(self.topic, key=MALFORMED_ENGINE.encode(),
                                          value=value, headers=headers,
                                          partition=partition).get(timeout=10)
-                except Exception as exc:  # noqa: BLE001 (the outage: counted, sent again)
+                except Exception as exc:  # the outage: counted, sent again
                     self.failed_sends += 1
                     log.info("malformed %s send failed (%s): again", kind, exc)
                     if producer is not None:
@@ -528,7 +528,7 @@ def soak(minutes: float, seed: int, engines: int, speedup: float, per_kind: int,
         while time.monotonic() - catch_up_start < 300:
             try:
                 lag = committed_lag(settings)
-            except Exception as exc:  # noqa: BLE001 (the group rebalancing: ask again)
+            except Exception as exc:  # the group rebalancing: ask again
                 log.info("lag check failed: %s", exc)
                 lag = {-1: -1}
             if lag and all(v <= 0 for v in lag.values()):

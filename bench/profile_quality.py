@@ -29,13 +29,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.common import emit  # noqa: E402
-from tabletune.profile import DEFAULT_BUDGET_S, profile  # noqa: E402
-from twin import PhaseConfig, Scenario, run_scenario  # noqa: E402
-from twin.config import CostConfig, DrafterConfig, EngineConfig  # noqa: E402
-from twin.gpu_shapes import SHAPES, gpu_shaped_table  # noqa: E402
-from twin.latency_table import write_latency_table  # noqa: E402
-from twin.static import ngram_match_prob_for  # noqa: E402
+from bench.common import emit
+from tabletune.profile import DEFAULT_BUDGET_S, profile
+from twin import PhaseConfig, Scenario, run_scenario
+from twin.config import CostConfig, DrafterConfig, EngineConfig
+from twin.gpu_shapes import SHAPES, gpu_shaped_table
+from twin.latency_table import write_latency_table
+from twin.static import ngram_match_prob_for
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
 TRACES = ("sharegpt", "instructcoder", "gsm8k")

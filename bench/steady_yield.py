@@ -40,12 +40,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit  # noqa: E402
-from fitter.surface.composition import CompositionModel  # noqa: E402
-from schemas import DraftTable  # noqa: E402
-from twin import BUILTIN_SCENARIOS, build_engine, load_scenario  # noqa: E402
-from twin.engine import StepStats, TwinEngine  # noqa: E402
-from twin.policies import Policy  # noqa: E402
+from bench.common import emit
+from fitter.surface.composition import CompositionModel
+from schemas import DraftTable
+from twin import BUILTIN_SCENARIOS, build_engine, load_scenario
+from twin.engine import StepStats, TwinEngine
+from twin.policies import Policy
 
 K_VALUES = tuple(range(1, 8))
 TRUTH_S = 140.0

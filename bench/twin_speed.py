@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit  # noqa: E402
-from producers.sinks import NullSink  # noqa: E402
-from twin import EngineConfig, PhaseConfig, Scenario, build_engine  # noqa: E402
-from twin.cost import CostModel  # noqa: E402
+from bench.common import emit
+from producers.sinks import NullSink
+from twin import EngineConfig, PhaseConfig, Scenario, build_engine
+from twin.cost import CostModel
 
 SHAREGPT_EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 SPEED_SCENARIO = Path(__file__).with_name("twin_speed_eagle64.toml")

@@ -9,10 +9,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from schemas import DraftTable  # noqa: E402
+from schemas import DraftTable
 
 
 def surface_heatmap(surface: Mapping[str, Any], table: Sequence[Sequence[int]], title: str,

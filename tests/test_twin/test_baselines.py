@@ -45,7 +45,7 @@ def test_dsd_table_follows_acceptance_and_batch_size():
     class _Engine:
         cost = _Cost()
 
-        class switch:  # noqa: N801 (stands in for a TableSwitch)
+        class switch:  # stands in for a TableSwitch
             max_batch = 256
 
             @staticmethod
@@ -86,7 +86,7 @@ def test_ema_hysteresis_moves_one_tier_at_a_time():
     staged = []
 
     class _Engine:
-        class switch:  # noqa: N801
+        class switch:
             max_batch = 256
 
             @staticmethod

@@ -3,7 +3,7 @@
 Records come from the H100 / Llama-3.1-8B cost model and ShareGPT EAGLE acceptance
 (docs/TWIN.md, calibration) with 3% noise and 1% outliers, K censored by a table in service
 plus a 5% exploration share, as a fleet would send them. Prints one JSON object; exits 1 when
-the best run exceeds the budget (issue 5: 3 s for 1M records on the 2-core CI machine).
+the best run exceeds the budget (3 s for 1M records on the 2-core CI machine).
 
     .venv/bin/python bench/fit_speed.py [--records N] [--repeat R] [--budget-s S]
 """

@@ -1,4 +1,4 @@
-"""Ingest soak (issue 31): 3 replicas killed and restarted at random, a broker restart and
+"""Ingest soak: 3 replicas killed and restarted at random, a broker restart and
 malformed frames, on a twin fleet's telemetry; counts what was lost, duplicated and
 dead-lettered against the topic itself. A bench, not CI: about minutes + 3 on 2 cores.
 

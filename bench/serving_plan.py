@@ -155,8 +155,8 @@ class Slot:
 def schedule(arms: list[str], repeats: int, fixed_repeats: int) -> list[Slot]:
     """Every arm once per repeat, in the given order on odd repeats and reversed on even
     ones; `fixed:K` arms only in the first `fixed_repeats` repeats, spread evenly between
-    the others rather than run in one block first: at 212f7a6 the later arms' steps ran
-    ~10% slower at the same work than the fixed arms' had, all run first."""
+    the others rather than run in one block first: run first, they had the machine before
+    it slowed (the later arms' steps ran ~10% slower at the same work)."""
     fixed: list[Slot] = []
     others: list[Slot] = []
     for repeat in range(1, repeats + 1):

@@ -1,4 +1,4 @@
-"""How well one re-profile sweep predicts each K's steady yield, on the twin (issue 6).
+"""How well one re-profile sweep predicts each K's steady yield, on the twin.
 
     .venv/bin/python bench/steady_yield.py [--seeds 1 2 3] [--cases ngram-code ...] [--out DIR]
 

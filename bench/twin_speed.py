@@ -8,7 +8,7 @@ with every step going through the StepRecorder to a sink that discards ("recorde
 The process is pinned to one CPU so the recorder's background thread competes with the
 engine the way it would on a loaded host. Setup (trace loading, pools) is not timed.
 
-`--process` times the whole command instead, start-up included (issue 29's target:
+`--process` times the whole command instead, start-up included (target:
 >= 20,000 steps/s): `tabletune twin run --scenario bench/twin_speed_eagle64.toml
 --policy fixed:3 --sink null:// --json` (600 s virtual, 64 users, EAGLE), `--runs` times
 in a row; per run the wall time, the child's user + sys CPU time and steps / wall, then

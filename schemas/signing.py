@@ -1,9 +1,9 @@
 """Ed25519 keys and signatures for tables-topic messages (RFC 8032, via `cryptography`).
 
 Asymmetric on purpose: the control service and operators hold private keys
-(TABLETUNE_SIGNING_KEY), engines hold only public keys (TABLETUNE_VERIFY_KEYS). With the
-HMAC this replaces, every engine pod held the secret that signs, so anything that could
-verify a table could forge one. Keys are written as base64 (or hex) of their 32 raw bytes;
+(TABLETUNE_SIGNING_KEY), engines hold only public keys (TABLETUNE_VERIFY_KEYS). With a
+shared secret (an HMAC), every engine pod would hold the secret that signs, so anything that
+could verify a table could forge one. Keys are written as base64 (or hex) of their 32 raw bytes;
 a signature is 64 bytes, written as 128 hex digits.
 """
 

@@ -38,6 +38,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controller.steps import StepColumns
+from schemas.bounds import above, at_least, check_bounds, in_range
 
 
 class DriftState(enum.Enum):
@@ -52,21 +53,36 @@ class DriftState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class DriftConfig:
+    """When the table in service is called stale: the operator's threshold first, then the
+    tuned constants (their measurements in docs/TUNING.md)."""
+
+    # ---- what an operator sets ----
+    acceptance_threshold: float = 0.15
+    """Relative change of acceptance (beyond the reference) that makes a table stale: how far
+    the workload may move before a re-profile. The bars counted in thresholds
+    (`after_sweep_factor`, the misfit factors, `LoopConfig.regime_acceptance_factor`) move
+    with it."""
+
+    # ---- tuned constants (docs/TUNING.md) ----
     window_s: float = 60.0
     """Sliding window over which residuals are averaged. A minute, because a closed loop's
     acceptance wanders with the few requests that dominate it; a switch of workload is a
     lasting shift and still shows within a minute."""
     reference_s: float = 20.0
-    """Residuals over this long after a table becomes active are its misfit reference."""
+    """Residuals over this long after a table becomes active are its misfit reference: long
+    enough to average the fit's bias over many requests, short so that watching starts soon
+    after a swap."""
     warmup_s: float = 2.0
+    """Steps this soon after a table becomes active are left out: the batch still holds what
+    the previous table left behind."""
     latency_threshold: float = 0.20
     """Relative latency change (beyond the reference) that makes a table stale. High, because
     latency is a proxy: a uniform slowdown leaves the best K where it was, and the contexts
     of a load that just grew (requests still young) or of longer prompts move it while the
     table stays right."""
-    acceptance_threshold: float = 0.15
     coverage_threshold: float = 0.5
-    """Share of steps outside the fitted batch range that makes a table stale."""
+    """Share of steps outside the fitted batch range that makes a table stale: half, so that
+    the load has moved there rather than visited."""
     coverage_factor: float = 2.0
     """'Outside' = batch size above factor x the largest fitted one, or below 1/factor x the
     smallest."""
@@ -91,8 +107,14 @@ class DriftConfig:
     re-profile shows there first. The misfit check keeps its own factors (`misfit_factor`,
     `confirmed_misfit_factor`)."""
     z: float = 5.0
+    """A shift must also stand this many standard errors out, so that noise alone never
+    fires: the detector tests again at every chunk (`chunk_s`)."""
     min_steps: int = 200
+    """Steps a signal needs (in the window, and in the reference) before it may fire: fewer
+    hold too few requests to tell a drift from the batch's own wander."""
     renotify_s: float = 60.0
+    """A table left stale is reported again after this long (a lost `stale`, or a re-profile
+    that did not come, gets another chance)."""
     chunk_s: float = 1.0
     """Standard errors come from the means of chunks this many seconds of telemetry time
     long, however the records arrived: a service that falls behind gets them in larger
@@ -100,11 +122,9 @@ class DriftConfig:
     in-memory ticks are 1 s)."""
 
     def __post_init__(self) -> None:
-        if (self.window_s <= 0 or self.reference_s < 0 or self.min_steps < 2
-                or not 0 < self.chunk_s <= self.window_s / 4):
-            raise ValueError(f"window_s={self.window_s}, reference_s={self.reference_s}, "
-                             f"min_steps={self.min_steps}, chunk_s={self.chunk_s}: need > 0, "
-                             ">= 0, >= 2, in (0, window_s / 4]")
+        check_bounds(self, window_s=above(0), reference_s=at_least(0), min_steps=at_least(2),
+                     chunk_s=in_range(0, self.window_s / 4, low_open=True).because(
+                         "a quarter of window_s at most"))
 
 
 @dataclass(frozen=True, slots=True)

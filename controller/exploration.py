@@ -23,26 +23,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import DraftTable
-
-DEFAULT_SHARE = 0.02
-DEFAULT_NEIGHBOUR_FRACTION = 0.25
+from schemas.bounds import check_bounds, in_range
 
 
 @dataclass(frozen=True, slots=True)
 class ExplorationConfig:
-    share: float = DEFAULT_SHARE
+    """Probing of other K on an engine: the operator's share first (engines read it from
+    TABLETUNE_EXPLORE_SHARE), then the tuned constants (docs/TUNING.md)."""
+
+    # ---- what an operator sets ----
+    share: float = 0.02
     """Most steps that may run another K (0 disables exploration)."""
+
+    # ---- tuned constants (docs/TUNING.md) ----
     neighbours: bool = True
-    """Probe K±1 where the plan names no candidate ..."""
-    neighbour_fraction: float = DEFAULT_NEIGHBOUR_FRACTION
-    """... on this fraction of the share's turns (0.25: 0.5% of steps at a 2% share)."""
+    """Probe K±1 where the plan names no candidate, so that a drift toward another K shows
+    even where the fit was sure ..."""
+    neighbour_fraction: float = 0.25
+    """... on this fraction of the share's turns: each probe of a worse K is goodput lost,
+    and a fraction (not a fixed share) rises with the share."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.share <= 0.5:
-            raise ValueError(f"exploration share={self.share} must be in [0, 0.5]")
-        if not 0.0 < self.neighbour_fraction <= 1.0:
-            raise ValueError(f"exploration neighbour_fraction={self.neighbour_fraction} must be "
-                             "in (0, 1] (neighbours=False turns neighbour probes off)")
+        check_bounds(self, share=in_range(0, 0.5),
+                     neighbour_fraction=in_range(0, 1, low_open=True).because(
+                         "neighbours=False turns neighbour probes off"))
 
 
 class Explorer:

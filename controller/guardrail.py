@@ -40,6 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controller.steps import StepColumns, batch_bucket
+from schemas.bounds import above, at_least, check_bounds, in_range
 
 N_BUCKETS = 16
 """Octave buckets cover batch sizes up to 65535."""
@@ -65,10 +66,17 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GuardrailConfig:
+    """How much worse a swapped-in table may run before it is rolled back: the operator's
+    threshold first, then the tuned constants (their measurements in docs/TUNING.md)."""
+
+    # ---- what an operator sets ----
     threshold: float = 0.03
     """Roll back when the new table is worse than this fraction of the old one's goodput."""
+
+    # ---- tuned constants (docs/TUNING.md) ----
     z: float = 3.0
-    """One-sided confidence multiplier (3.0: 0.13% false alarms per look, before looks)."""
+    """One-sided confidence multiplier: high, because the verdict is taken again as each
+    batch of steps comes, and every look is a chance of a false alarm."""
     baseline_window_s: float = 20.0
     """The old table's steps this long before the swap form the baseline: short, because
     goodput trends after a load or workload change (contexts grow for minutes), and the
@@ -78,7 +86,8 @@ class GuardrailConfig:
     old table served slowly until they finish, and at the new table's K it first shows that
     batch, on which the new table looks worse than it is."""
     min_steps_per_bucket: int = 100
-    """A bucket counts only with this many steps in both windows."""
+    """A bucket counts only with this many steps in both windows: on fewer the delta
+    method's variance of its ratio is not to be trusted."""
     max_watch_s: float = 300.0
     """Deadline: after this long without a confident verdict the new table stays."""
     no_comparison_s: float = 30.0
@@ -87,33 +96,26 @@ class GuardrailConfig:
     block_s: float = 5.0
     """Time blocks whose goodput spread sets the error of a window (see the module doc)."""
     prior_variance_s: float = 0.015
-    """Prior of that spread, as the variance of log goodput times seconds (0.015: 5 s vary
-    by 5.5%, 12 s by 3.5%), worth `prior_dof` blocks: right after a swap a window has a
-    block or two, too few to say how much goodput wanders. Wide enough that a re-profile's
-    sound pick is not rolled back on a short baseline's wander; a far worse table still is,
-    promptly."""
+    """Prior of that spread, as the variance of log goodput times seconds, worth `prior_dof`
+    blocks: right after a swap a window has a block or two, too few to say how much goodput
+    wanders. Wide enough that a re-profile's sound pick is not rolled back on a short
+    baseline's wander; a far worse table still is, promptly."""
     prior_dof: float = 2.0
+    """Blocks the prior is worth: a couple, so that a window's own spread outweighs it once
+    the window has a few blocks."""
     drift_level_sd: float = 0.04
     """Added (as a standard deviation of log goodput) to the error of a swap armed
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
     settling stretch, the one window of it in the new regime. Between that and the watch the
     traffic's own wander moves goodput by a level that no watch length averages away, and
-    without it a sound pick is rolled back to the table just called stale. With 0.04 the
-    stale table comes back only for a pick worse by more than about 14%. 0 = compare as any
-    other swap."""
+    without it a sound pick is rolled back to the table just called stale. 0 = compare as
+    any other swap."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"threshold={self.threshold} must be in (0, 1)")
-        if self.drift_level_sd < 0:
-            raise ValueError(f"drift_level_sd={self.drift_level_sd} must be >= 0")
-        if self.block_s <= 0 or self.prior_variance_s < 0 or self.prior_dof < 0:
-            raise ValueError(f"block_s={self.block_s}, prior_variance_s="
-                             f"{self.prior_variance_s}, prior_dof={self.prior_dof}: need > 0, "
-                             f">= 0, >= 0")
-        if self.z <= 0 or self.min_steps_per_bucket < 2:
-            raise ValueError(f"z={self.z} must be > 0 and min_steps_per_bucket="
-                             f"{self.min_steps_per_bucket} >= 2")
+        check_bounds(self, threshold=in_range(0, 1, low_open=True, high_open=True),
+                     drift_level_sd=at_least(0), block_s=above(0),
+                     prior_variance_s=at_least(0), prior_dof=at_least(0), z=above(0),
+                     min_steps_per_bucket=at_least(2))
 
 
 def _ratio_sums(tokens: NDArray[np.float64], seconds: NDArray[np.float64],

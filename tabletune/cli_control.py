@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from controller.fleet.loop_config import LoopConfig
+from schemas.control import MAX_FORCE_S
 from tabletune.cli_args import NON_NEGATIVE, POSITIVE, integer, number, table_key
 
 
@@ -62,18 +64,16 @@ def register(commands: Any) -> None:
         "after a drift re-profiles a canary share of the engines and publishes the new "
         "table. Its clock is the telemetry's timestamps. State lives in the topics: a "
         "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
-        "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap).")
+        "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap). The share of "
+        "steps engines explore at is theirs to set (TABLETUNE_EXPLORE_SHARE); the loop's "
+        "tuned constants are in docs/TUNING.md.")
     serve.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
                        help="serve this key alone (default: every key whose engines announce "
                        "themselves)")
     serve.add_argument("--lookback-s", type=NON_NEGATIVE, default=180.0,
                        help="telemetry from this many seconds before start-up, for the "
                        "first fits only (default 180; 0: only new steps)")
-    serve.add_argument("--canary-share", type=number(0, 1, low_open=True), default=0.25,
-                       help="share of a key's engines a re-profile forces, at least one "
-                       "(default 0.25)")
-    serve.add_argument("--refit-s", type=POSITIVE, default=30.0,
-                       help="telemetry seconds between periodic refits (default 30)")
+    _operator_settings(serve)
     serve.add_argument("--decisions", default=None, metavar="FILE",
                        help="append every decision of every key's loop to FILE as it is "
                        "taken, one JSON object a line (profile, refit, stale, reprofile, "
@@ -84,6 +84,43 @@ def register(commands: Any) -> None:
                        help="stop after this many wall seconds (default: run until stopped)")
     _bootstrap(serve)
     serve.set_defaults(handler=_command("run_control_service"))
+
+
+def _operator_settings(serve: argparse.ArgumentParser) -> None:
+    """The loop settings an operator may set (`LoopConfig`'s first half), defaults its own."""
+    loop = LoopConfig()
+    group = serve.add_argument_group("the loop's settings (docs/OPERATIONS.md)")
+    group.add_argument("--refit-s", type=POSITIVE, default=loop.refit_interval_s,
+                       help="telemetry seconds between periodic refits (default "
+                       f"{loop.refit_interval_s:g})")
+    group.add_argument("--reprofile-on-stale", action=argparse.BooleanOptionalAction,
+                       default=loop.reprofile_on_stale,
+                       help="after a drift, re-profile a canary share of the engines; off: "
+                       "only refit the passive window (default on)")
+    group.add_argument("--canary-share", type=number(0, 1, low_open=True),
+                       default=loop.canary_share,
+                       help="share of a key's engines a re-profile forces, at least one; the "
+                       f"others keep the current table meanwhile (default {loop.canary_share:g})")
+    group.add_argument("--force-grace-s",
+                       type=number(0, MAX_FORCE_S - loop.longest_block_s, low_open=True),
+                       default=loop.force_grace_s,
+                       help="a forced block expires this long after it should end: so long "
+                       "that transport lag never ends one early, so short that the engines "
+                       "of a service killed mid-sweep are soon free (default "
+                       f"{loop.force_grace_s:g})")
+    group.add_argument("--engine-idle-s", type=POSITIVE, default=loop.engine_idle_s,
+                       help="an engine without steps for this many seconds has left its key "
+                       f"and is no canary (default {loop.engine_idle_s:g})")
+    group.add_argument("--guardrail-threshold", type=number(0, 1, low_open=True, high_open=True),
+                       default=loop.guardrail.threshold,
+                       help="roll a swapped-in table back when it is confidently worse than "
+                       "the one before by more than this share of goodput (default "
+                       f"{loop.guardrail.threshold:g})")
+    group.add_argument("--drift-acceptance-threshold", type=POSITIVE,
+                       default=loop.drift.acceptance_threshold,
+                       help="relative change of acceptance that makes the table stale and "
+                       "starts a re-profile; the bars counted in thresholds move with it "
+                       f"(default {loop.drift.acceptance_threshold:g})")
 
 
 def _bootstrap(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import resource
 import signal
 import sys
 import time
+from dataclasses import replace
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -28,15 +29,15 @@ from schemas.table_files import load_table_file
 
 
 def run_control_service(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    check_tables_topic(settings)  # a compacted or expiring log folds to another state
-    try:
+    try:  # before the broker: a bad setting is a usage error wherever the service runs
         key = None if args.key is None else TableKey.parse(args.key)
         config = ControlRunConfig(key=key, lookback_s=args.lookback_s)
-        loop_config = LoopConfig(canary_share=args.canary_share, refit_interval_s=args.refit_s)
+        loop_config = loop_config_of(args)
     except (ValueError, EnvelopeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    settings = _settings(args)
+    check_tables_topic(settings)  # a compacted or expiring log folds to another state
     # the service's decisions are its output: one INFO line each on stderr, and to FILE
     loop_log.setLevel(logging.INFO)
     writer = None if args.decisions is None else decision_file_handler(args.decisions)
@@ -69,6 +70,18 @@ def run_control_service(args: argparse.Namespace) -> int:
                       "dropped_unsent": sum(c.dropped for c in runner.channels.values()),
                       "keys": served, **_cpu(started)}))
     return 0
+
+
+def loop_config_of(args: argparse.Namespace) -> LoopConfig:
+    """The `LoopConfig` of `tabletune control`'s flags (`cli_control`): without any,
+    `LoopConfig()`."""
+    loop = LoopConfig()
+    return replace(
+        loop, refit_interval_s=args.refit_s, reprofile_on_stale=args.reprofile_on_stale,
+        canary_share=args.canary_share, force_grace_s=args.force_grace_s,
+        engine_idle_s=args.engine_idle_s,
+        guardrail=replace(loop.guardrail, threshold=args.guardrail_threshold),
+        drift=replace(loop.drift, acceptance_threshold=args.drift_acceptance_threshold))
 
 
 def _cpu(started: tuple[float, float]) -> dict[str, float]:

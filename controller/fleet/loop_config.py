@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from controller.drift import DriftConfig
 from controller.exploration import ExplorationConfig
 from controller.guardrail import GuardrailConfig
+from schemas.bounds import Bound, above, at_least, check_bounds, in_range, positive
 from schemas.control import MAX_FORCE_S
 
 
@@ -75,23 +76,29 @@ class LoopConfig:
     """No periodic refit this long after a rollback (the same fit would come back)."""
 
     def __post_init__(self) -> None:
-        for name in ("profile_block_s", "reprofile_block_s", "refit_interval_s",
-                     "fit_window_s", "force_grace_s", "engine_idle_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"LoopConfig.{name}={getattr(self, name)} must be > 0")
-        for name in ("reprofile_settle_s", "confirm_block_s", "follow_up_s", "watch_hold_s",
-                     "rollback_cooldown_s", "tolerance", "min_gain", "gain_z",
-                     "follow_up_min_gain", "regime_acceptance_factor"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"LoopConfig.{name}={getattr(self, name)} must be >= 0")
-        if self.profile_rounds < 1:
-            raise ValueError(f"LoopConfig.profile_rounds={self.profile_rounds} must be >= 1")
-        if not 0 < self.canary_share <= 1:
-            raise ValueError(f"LoopConfig.canary_share={self.canary_share} must be in (0, 1]")
-        if self.half_life_s is not None and self.half_life_s <= 0:
-            raise ValueError(f"LoopConfig.half_life_s={self.half_life_s} must be > 0")
-        longest = max(self.profile_block_s, self.reprofile_block_s, self.confirm_block_s)
-        if longest + self.force_grace_s > MAX_FORCE_S:
-            raise ValueError(f"LoopConfig: a block of {longest} s and force_grace_s="
-                             f"{self.force_grace_s} make forces longer than engines take "
-                             f"({MAX_FORCE_S:.0f} s)")
+        check_bounds(
+            self,
+            refit_interval_s=positive(), canary_share=in_range(0, 1, low_open=True),
+            force_grace_s=positive(), engine_idle_s=positive(),
+            profile_block_s=positive(), profile_rounds=at_least(1),
+            reprofile_settle_s=at_least(0), reprofile_block_s=positive(),
+            confirm_block_s=at_least(0), regime_acceptance_factor=at_least(0),
+            fit_window_s=positive(), half_life_s=above(0).or_none(), tolerance=at_least(0),
+            min_gain=at_least(0), gain_z=at_least(0), follow_up_s=at_least(0),
+            follow_up_min_gain=at_least(0), watch_hold_s=at_least(0),
+            rollback_cooldown_s=at_least(0),
+        )
+        check_bounds(self, force_grace_s=self._grace_within_force())
+
+    @property
+    def longest_block_s(self) -> float:
+        """The longest block a force holds (the grace comes on top)."""
+        return max(self.profile_block_s, self.reprofile_block_s, self.confirm_block_s)
+
+    def _grace_within_force(self) -> Bound:
+        """A block's force lasts the block and the grace: no longer than engines accept."""
+        longest = self.longest_block_s
+        return Bound(f"<= {MAX_FORCE_S - longest:g}",
+                     lambda grace: longest + grace > MAX_FORCE_S).because(
+            f"a {longest:g} s block and the grace make a force, and engines take none longer "
+            f"than {MAX_FORCE_S:.0f} s")

@@ -40,6 +40,7 @@ from schemas import (
     decode_frame,
     parse_table_message,
 )
+from schemas.bounds import at_least, check_bounds, in_range
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,7 @@ class ControlRunConfig:
     """How long one poll of a topic waits: the service's reaction time, at most."""
 
     def __post_init__(self) -> None:
-        if self.lookback_s < 0:
-            raise ValueError(f"lookback_s={self.lookback_s} must be >= 0")
-        if not 1 <= self.poll_ms <= 10_000:
-            raise ValueError(f"poll_ms={self.poll_ms} must be in 1..10000")
+        check_bounds(self, lookback_s=at_least(0), poll_ms=in_range(1, 10_000))
 
 
 class ControlRunner:

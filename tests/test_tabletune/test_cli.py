@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
+from controller.fleet.loop_config import LoopConfig
 from schemas import DraftTable, TableEnvelope, TableKey
-from tabletune.cli import main
+from tabletune.cli import build_parser, main
+from tabletune.control_commands import loop_config_of
 
 
 def _write(tmp_path, data, name="t.json"):
@@ -82,3 +84,32 @@ def test_console_script_help_runs():
     for command in ("broker", "table"):
         assert command in out
     assert "TABLETUNE_BOOTSTRAP" in out
+
+
+CONTROL_FLAGS = ("--refit-s", "--reprofile-on-stale", "--no-reprofile-on-stale",
+                 "--canary-share", "--force-grace-s", "--engine-idle-s",
+                 "--guardrail-threshold", "--drift-acceptance-threshold")
+
+
+def test_control_help_lists_the_operator_settings(capsys):
+    assert main(["control", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in CONTROL_FLAGS:
+        assert flag in out
+    assert "TABLETUNE_EXPLORE_SHARE" in out
+
+
+def test_control_without_flags_builds_the_default_loop_config():
+    assert loop_config_of(build_parser().parse_args(["control"])) == LoopConfig()
+
+
+def test_control_flags_reach_the_loop_config():
+    args = build_parser().parse_args([
+        "control", "--refit-s", "45", "--no-reprofile-on-stale", "--canary-share", "0.5",
+        "--force-grace-s", "20", "--engine-idle-s", "15", "--guardrail-threshold", "0.05",
+        "--drift-acceptance-threshold", "0.2"])
+    config = loop_config_of(args)
+    assert (config.refit_interval_s, config.reprofile_on_stale, config.canary_share,
+            config.force_grace_s, config.engine_idle_s) == (45.0, False, 0.5, 20.0, 15.0)
+    assert config.guardrail.threshold == 0.05 and config.drift.acceptance_threshold == 0.2
+    assert config.guardrail.z == LoopConfig().guardrail.z  # tuned constants untouched

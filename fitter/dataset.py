@@ -3,9 +3,10 @@
 Layout: `DIR/model=M/drafter=D/hardware=H/date=YYYY-MM-DD/hour=HH/<topic>-p<partition>-
 <first offset>-<last offset>[-r<n>].parquet`. A file's name says which Kafka offsets it holds,
 so a restarted ingest knows which files may already hold a record it reads again (see
-ingest.py); it skips a record only when that file does hold it. Offsets are not identities:
-a topic deleted and created again restarts at 0 under the same name, and the records it then
-carries are new. A name that is taken (same offsets, other records) gets the next `-r<n>`.
+partition_store.py); it skips a record only when that file does hold it. Offsets are not
+identities: a topic deleted and created again restarts at 0 under the same name, and the
+records it then carries are new. A name that is taken (same offsets, other records) gets
+the next `-r<n>`.
 
 Identity is never read back from the folder names: every file keeps its records' `model`,
 `drafter` and `hardware` columns byte for byte, and the folders only sort the files. Their
@@ -38,7 +39,6 @@ from schemas import STEP_RECORD_SCHEMA
 log = logging.getLogger(__name__)
 
 IDENTITY_COLUMNS = ("model", "drafter", "hardware")
-PARTITION_COLUMNS = (*IDENTITY_COLUMNS, "date", "hour")
 SOURCE_PARTITION = "source_partition"
 SOURCE_OFFSET = "source_offset"
 _FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<last>\d+)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -51,6 +52,14 @@ def _send_frames(producer: KafkaProducer, topic: str, engine: str, partition: in
                       partition=partition)
         keys.update((r.engine_id, r.step_seq) for r in records)
     return keys
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.05)
 
 
 def _raw_keys(out: Path) -> list[tuple[str, int]]:
@@ -204,7 +213,7 @@ def test_replicas_joining_and_crashing_mid_run_lose_and_duplicate_nothing(broker
         def run() -> None:
             try:
                 results[name] = ingestor.run()
-            except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            except BaseException as exc:  # reported by the test
                 results[name] = exc
 
         threading.Thread(target=run, name=name, daemon=True).start()
@@ -220,19 +229,31 @@ def test_replicas_joining_and_crashing_mid_run_lose_and_duplicate_nothing(broker
         if stage == "renamed" and armed.is_set():
             raise Crash("after the rename, before the commit")
 
-    threading.Thread(target=produce, daemon=True).start()
+    everything = frozenset(range(partitions))
+
+    def shared(*replicas: Ingestor) -> bool:
+        """Each replica holds partitions, none twice, all of them between them."""
+        held = [r.assignment for r in replicas]
+        return all(held) and sum(map(len, held)) == partitions \
+            and frozenset().union(*held) == everything
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
     a = replica("a", config(), on_stage=crash_when_armed)
-    time.sleep(4)  # a joins and holds open windows on every partition
+    _wait_until(lambda: a.assignment == everything and a.counters.frames >= partitions, 30,
+                "a joins and holds open windows on every partition")
     b = replica("b", config())  # joins mid-run: a's open windows are revoked
-    time.sleep(5)
+    _wait_until(lambda: shared(a, b) and b.counters.windows > 0, 60,
+                "a and b share the partitions and b commits")
     armed.set()  # a dies between its next rename and commit: b re-reads those offsets
     deadline = time.monotonic() + 30
     while "a" not in results and time.monotonic() < deadline:
         time.sleep(0.1)
     c = replica("c", config(until_idle_s=1.0, lag_wait_s=20))  # joins: a rebalance again
-    time.sleep(4)
+    _wait_until(lambda: shared(b, c) and c.counters.windows > 0, 60,
+                "b and c share the partitions and c commits")
     producing.clear()
-    time.sleep(0.5)
+    producer.join(timeout=15)  # its last frames flushed
     b.stop()  # leaves: c takes its partitions and catches up
     deadline = time.monotonic() + 60
     while not {"b", "c"} <= set(results) and time.monotonic() < deadline:

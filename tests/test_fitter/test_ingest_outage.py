@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 
+import fitter.catch_up
+import fitter.dead_letters
 import fitter.ingest
 from fitter.ingest import IngestConfig, Ingestor
 from tests.test_fitter.test_ingest_hardening import (
@@ -81,7 +83,8 @@ def test_a_broker_outage_under_the_loops_consumer_calls_loses_and_duplicates_not
             return super().flush(*args, **kwargs)
 
     monkeypatch.setattr(fitter.ingest, "KafkaConsumer", AwayConsumer)
-    monkeypatch.setattr(fitter.ingest, "KafkaProducer", AwayProducer)
+    monkeypatch.setattr(fitter.catch_up, "KafkaConsumer", AwayConsumer)  # partition_bounds
+    monkeypatch.setattr(fitter.dead_letters, "KafkaProducer", AwayProducer)
     out = tmp_path / "parquet"
     config = IngestConfig(out_dir=out, group_id=unique_name, window_s=0.5, until_idle_s=2.0,
                           lag_wait_s=20)

@@ -32,12 +32,12 @@ class Bound:
 
 def at_least(low: float) -> Bound:
     """>= low: refuses a value below it."""
-    return Bound(f">= {low:g}", lambda value: value < low)
+    return Bound(f">= {_number(low)}", lambda value: value < low)
 
 
 def above(low: float) -> Bound:
     """> low: refuses a value at or below it."""
-    return Bound(f"> {low:g}", lambda value: value <= low)
+    return Bound(f"> {_number(low)}", lambda value: value <= low)
 
 
 def in_range(low: float, high: float, *, low_open: bool = False,
@@ -45,9 +45,10 @@ def in_range(low: float, high: float, *, low_open: bool = False,
     """Between `low` and `high`, each end included unless `*_open`; admits only a value
     inside, so NaN is refused."""
     if high == math.inf and not high_open:
-        text = f"> {low:g}" if low_open else f">= {low:g}"
+        text = f"> {_number(low)}" if low_open else f">= {_number(low)}"
     else:
-        text = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        text = (f"in {'(' if low_open else '['}{_number(low)}, {_number(high)}"
+                f"{')' if high_open else ']'}")
 
     def refuses(value: float) -> bool:
         above_low = low < value if low_open else low <= value
@@ -70,3 +71,8 @@ def check_bounds(config: object, error: Callable[[str], Exception] = ValueError,
         value = getattr(config, name)
         if bound.refuses(value):
             raise error(f"{type(config).__name__}.{name}={value} must be {bound.text}")
+
+
+def _number(value: float) -> str:
+    """An integer as written, a float in its shortest form (3594.0 -> 3594)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.bounds import Bound, at_least, in_range, positive
+
 DRAFT_METHODS = ("eagle", "ngram", "draft_model")
 
 
@@ -28,19 +30,24 @@ class ScenarioError(ValueError):
         return ScenarioError(f"{prefix}{joiner}{self.path}", self.reason)
 
 
+_FRACTION = Bound("between 0 and 1", in_range(0.0, 1.0).refuses)
+
+
+def _within(name: str, value: float, bound: Bound) -> None:
+    if bound.refuses(value):
+        raise ScenarioError(name, f"must be {bound.text}, got {value}")
+
+
 def _at_least(name: str, value: float, minimum: float) -> None:
-    if value < minimum:
-        raise ScenarioError(name, f"must be >= {minimum}, got {value}")
+    _within(name, value, at_least(minimum))
 
 
 def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ScenarioError(name, f"must be > 0, got {value}")
+    _within(name, value, positive())
 
 
 def _fraction(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ScenarioError(name, f"must be between 0 and 1, got {value}")
+    _within(name, value, _FRACTION)
 
 
 @dataclass(frozen=True, slots=True)

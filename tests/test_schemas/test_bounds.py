@@ -35,7 +35,8 @@ def test_bounds_refuse_what_their_comparison_refuses(bound, accepted, refused):
 @pytest.mark.parametrize(("bound", "text"), [
     (at_least(2), ">= 2"), (above(0), "> 0"), (positive(), "> 0"),
     (in_range(0, 0.5), "in [0, 0.5]"), (in_range(0, 1, low_open=True), "in (0, 1]"),
-    (in_range(1, 10_000), "in [1, 10000]"), (above(0).because("why"), "> 0 (why)"),
+    (in_range(1, 10_000), "in [1, 10000]"), (at_least(1_000_000), ">= 1000000"),
+    (at_least(0.0), ">= 0"), (above(0).because("why"), "> 0 (why)"),
 ])
 def test_bound_texts(bound, text):
     assert bound.text == text

@@ -46,7 +46,8 @@ ENV_VARS: dict[str, str] = {
     "TABLETUNE_ENGINE_ID": "engine identity in telemetry (default hostname-pid)",
     "TABLETUNE_HARDWARE": "hardware name in the table key (default: the device name)",
     "TABLETUNE_TABLE_KEY": "table key an engine follows (default model|drafter|hardware)",
-    "TABLETUNE_EXPLORE_SHARE": "share of engine steps run at another K to learn (default 0.02)",
+    "TABLETUNE_EXPLORE_SHARE": "share of engine steps run at another K to learn, 0 to 0.5 "
+                               "(default 0.02; 0: off)",
     "TABLETUNE_METRICS_PORT": "serve Prometheus metrics on this port (engine and jobs)",
     "TABLETUNE_METRICS_ADDR": "address of the metrics endpoint, which has no authentication "
                               "(default 127.0.0.1; 0.0.0.0 where Prometheus scrapes the pod)",

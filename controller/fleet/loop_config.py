@@ -31,7 +31,8 @@ class LoopConfig:
     engine_idle_s: float = 30.0
     """An engine whose last step is older than this has left the key (no canary of it)."""
     exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
-    """Probing of neighbouring K on the engines (share of steps)."""
+    """Probing of other K on the engines: the twin's engines take it from here, a fleet's
+    read TABLETUNE_EXPLORE_SHARE."""
     guardrail: GuardrailConfig = field(default_factory=GuardrailConfig)
     """How much worse a swapped-in table may run before it is rolled back."""
     drift: DriftConfig = field(default_factory=DriftConfig)

@@ -15,7 +15,8 @@ from schemas import TableError
 from tabletune.cli_args import POSITIVE, SHARE, integer
 from twin.config import DRAFT_METHODS, CostConfig, ScenarioError
 from twin.cost import PROFILES, CostModel
-from twin.policies import PolicyError, policy_usages
+from twin.policies import PolicyError
+from twin.registry import policy_usages
 from twin.run import run_scenario
 from twin.static import (
     EXPERIMENT_REQUESTS,

@@ -18,14 +18,8 @@ from twin.config import (
     ScenarioError,
 )
 from twin.engine import StepStats, TwinEngine
-from twin.policies import (
-    FixedK,
-    Policy,
-    PolicyError,
-    StaticTable,
-    make_policy,
-    register_policy,
-)
+from twin.policies import FixedK, Policy, PolicyError, StaticTable
+from twin.registry import make_policy, register_policy
 from twin.run import build_engine, run_scenario
 from twin.scenario_file import BUILTIN_SCENARIOS, load_scenario, parse_scenario
 from twin.static import StaticResult, static_speedups

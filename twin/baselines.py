@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from schemas import DraftTable
-from twin.policies import Policy, PolicyError, register_policy
+from twin.policies import Policy
 
 if TYPE_CHECKING:
     from twin.engine import StepStats, TwinEngine
@@ -193,15 +193,3 @@ class EmaAdaptive(Policy):
         if changed:
             self.version += 1
             engine.switch.stage(self.table(engine.switch.max_batch), self.version)
-
-
-def _no_arg(name: str, factory: type[Policy]):  # noqa: ANN202 (a PolicyFactory)
-    def make(arg: str | None) -> Policy:
-        if arg:
-            raise PolicyError(f"{name} takes no argument, got {arg!r}")
-        return factory()
-    return make
-
-
-register_policy("dsd-goodput", _no_arg("dsd-goodput", DsdGoodput))
-register_policy("ema-adaptive", _no_arg("ema-adaptive", EmaAdaptive))

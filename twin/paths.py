@@ -4,8 +4,8 @@ Under one K a request's tokens per step follow from its own acc_len alone: a ste
 generated g (acc_len position offset + g - 1) emits min(acc_len, K + 1) tokens, never past
 its output length. So the steps of all requests, from their first generated token to their
 last, can be laid out once (`Paths`), and a run of steps of a whole batch is the sum of its
-requests' rows (`TwinEngine._planned_run`). A request that drafted another K for a while is
-off its path and is stepped the ordinary way.
+requests' rows (the planned runs of `twin.fast_paths`). A request that drafted another K for
+a while is off its path and is stepped the ordinary way.
 """
 
 from __future__ import annotations

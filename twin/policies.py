@@ -3,15 +3,12 @@
 A policy talks to the engine only the way a controller talks to vLLM: through the engine's
 `TableSwitch` (`engine.switch.stage(table, version)`), applied at the next step boundary.
 Adaptive policies set `step_interval` to get `on_step` every N steps with that step's
-statistics; static ones leave it at 0 and cost the engine nothing per step.
-
-    make_policy("fixed:3") | make_policy("table:t.json") | make_policy("vllm-doc")
-    register_policy("ema-adaptive", factory)     # later work: factory(arg: str | None) -> Policy
+statistics; static ones leave it at 0 and cost the engine nothing per step. This module has
+the base class and the static policies; `twin.registry` maps `--policy` names to them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,62 +87,3 @@ def table_policy(path: str) -> Policy:
         raise PolicyError(f"table:{path}: {exc}") from None
     version = envelope.version if envelope is not None else 0
     return StaticTable(table, name=f"table:{Path(path).name}", version=version)
-
-
-PolicyFactory = Callable[[str | None], Policy]
-
-_REGISTRY: dict[str, tuple[PolicyFactory, str]] = {}
-
-
-def register_policy(name: str, factory: PolicyFactory, *, usage: str | None = None) -> None:
-    """Make `name[:ARG]` selectable; `factory` gets ARG (or None) and returns a Policy."""
-    _REGISTRY[name] = (factory, usage or name)
-
-
-def make_policy(spec: str) -> Policy:
-    """`fixed:K`, `table:FILE`, `vllm-doc`, or any registered name."""
-    name, _, arg = spec.partition(":")
-    entry = _REGISTRY.get(name)
-    if entry is None:
-        known = ", ".join(usage for _, usage in _REGISTRY.values())
-        raise PolicyError(f"unknown policy {spec!r} (known: {known})")
-    return entry[0](arg or None)
-
-
-def policy_usages() -> list[str]:
-    return [usage for _, usage in _REGISTRY.values()]
-
-
-def _fixed(arg: str | None) -> Policy:
-    if arg is None or not arg.lstrip("-").isdigit():
-        raise PolicyError(f"fixed:K needs an integer K, got {arg!r}")
-    return FixedK(int(arg))
-
-
-def _table(arg: str | None) -> Policy:
-    if not arg:
-        raise PolicyError("table:FILE needs a file")
-    return table_policy(arg)
-
-
-def _vllm_doc(arg: str | None) -> Policy:
-    if arg:
-        raise PolicyError(f"vllm-doc takes no argument, got {arg!r}")
-    return StaticTable(VLLM_DOC_TABLE, name="vllm-doc", clamp_k=True)
-
-
-register_policy("fixed", _fixed, usage="fixed:K")
-def _tabletune(arg: str | None) -> Policy:
-    # imported when used: the control service's stack is this policy's alone (a quarter of
-    # `tabletune twin run`'s start-up otherwise)
-    from twin.tabletune_policy import tabletune_policy
-
-    return tabletune_policy(arg)
-
-
-register_policy("table", _table, usage="table:FILE")
-register_policy("vllm-doc", _vllm_doc)
-
-import twin.baselines  # noqa: E402,F401  (registers dsd-goodput, ema-adaptive)
-
-register_policy("tabletune", _tabletune, usage="tabletune[:explore=S,refit=S,threshold=F]")

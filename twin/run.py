@@ -15,7 +15,8 @@ from producers.recorder import RecorderConfig, Sink, StepRecorder
 from producers.sinks import sink_from_url
 from twin.config import Scenario
 from twin.engine import TwinEngine
-from twin.policies import Policy, make_policy
+from twin.policies import Policy
+from twin.registry import make_policy
 from twin.scenario_file import load_scenario
 from twin.summary import RunSummary, summarize
 

@@ -18,18 +18,18 @@ virtual time; `openai:URL` drives a vLLM server's completions API (`tabletune.pr
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
+from fitter.derive import DEFAULT_TOLERANCE
 from fitter.profile_plan import DEFAULT_CONCURRENCIES, concurrency_levels
-from fitter.surface.fit import fit_surface
 from producers.recorder import Sink
-from schemas import TableEnvelope, TableKey
-from tabletune.profile_twin import CellRun, ProgressCallback, run_twin_profile
+from schemas import TableKey
+from tabletune.profile_openai import profile_openai
+from tabletune.profile_result import ProfileError, ProfileResult, envelope_from_records, write_table
+from tabletune.profile_twin import ProgressCallback, run_twin_profile
 from twin.config import CostConfig, Scenario
 from twin.scenario_file import BUILTIN_SCENARIOS, load_scenario
 
@@ -42,29 +42,6 @@ requests and acceptance moves along an output (n-gram matches more the more text
 seen), so a short cell only sees openings; the latency model needs few cells to generalise,
 the acceptance estimate needs the batch to age (bench/profile_quality.py, 24 vs 16 cells)."""
 MIN_CELL_S = 1.0
-
-
-class ProfileError(ValueError):
-    """A profile request that cannot run; the message names the problem."""
-
-
-@dataclasses.dataclass
-class ProfileResult:
-    """What a sweep produced: the table envelope and how it was measured."""
-
-    envelope: TableEnvelope
-    cells: list[CellRun]
-    engine_time_s: float
-    wall_s: float
-    records: int
-    path: Path | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"table": self.envelope.table.to_vllm(), "version": self.envelope.version,
-                "key": str(self.envelope.key), "engine_time_s": round(self.engine_time_s, 3),
-                "wall_s": round(self.wall_s, 3), "records": self.records,
-                "cells": [c.to_dict() for c in self.cells],
-                "path": str(self.path) if self.path else None}
 
 
 def resolve_twin_scenario(spec: str) -> Scenario:
@@ -102,8 +79,6 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
     if isinstance(engine, str) and engine.startswith("openai:"):
         if cost_table is not None:
             raise ProfileError("cost_table only applies to twin engines")
-        from tabletune.profile_openai import profile_openai
-
         return profile_openai(engine.removeprefix("openai:"), max_k=max_k, budget_s=budget_s,
                               out_dir=out_dir, cells=cells, concurrencies=concurrencies,
                               tolerance=tolerance, version=version, on_progress=on_progress,
@@ -142,29 +117,3 @@ def profile(engine: str | Scenario, *, max_k: int | None = None,
     if out_dir is not None:
         result.path = write_table(envelope, out_dir)
     return result
-
-
-def envelope_from_records(records: Any, *, key: TableKey, max_k: int, max_batch: int,
-                          startup_k_values: Sequence[int], version: int, tolerance: float,
-                          provenance: dict[str, Any]) -> TableEnvelope:
-    """Fit all profile steps with equal weight (they are all equally recent) and derive.
-
-    Same estimators and derivation as a refit, so a profiled and a refitted table differ
-    only by their data. The table is derived at the context per request the profile saw at
-    each batch size (`fitter.surface.telemetry.context_by_batch`).
-    """
-    fit = fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=None)
-    return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
-                           startup_k_values=startup_k_values, tolerance=tolerance,
-                           provenance=provenance)
-
-
-def write_table(envelope: TableEnvelope, out_dir: str | Path) -> Path:
-    """`out_dir/table.json`: the envelope, vLLM triples under `table`."""
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "table.json"
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(envelope.to_dict(), indent=2, sort_keys=True) + "\n")
-    temporary.replace(path)
-    return path

@@ -23,7 +23,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from controller.fleet.table_log import control, force, publish
 from fitter.dataset import read_dataset
@@ -34,6 +33,7 @@ from fitter.surface.fit import SurfaceFit, fit_surface
 from schemas import DraftTable, TableKey
 from schemas.control import MAX_FORCE_S
 from schemas.settings import Settings
+from tabletune.profile_result import ProfileError, ProfileResult, envelope_from_records, write_table
 from tabletune.profile_twin import CellRun, ProgressCallback
 
 GENERATED_PROMPTS = tuple(
@@ -109,13 +109,11 @@ def profile_openai(url: str, *, max_k: int | None, budget_s: float,
                    on_progress: ProgressCallback | None = None, model: str | None = None,
                    prompts: str | None = None, parquet: str | None = None,
                    max_batch: int = 256, settings: Settings | None = None,
-                   key: str | None = None, k_values: Sequence[int] | None = None) -> Any:
+                   key: str | None = None, k_values: Sequence[int] | None = None) -> ProfileResult:
     """Run the cells for `budget_s` of wall time, then fit the server's telemetry from
     `parquet`. K is forced when `settings` names a bootstrap server (see the module
     docstring); then `key` (model|drafter|hardware) and `max_k` are required, and `k_values`
     (default 0..max_k) must be K values the server was started with, or it refuses them."""
-    from tabletune.profile import ProfileError, ProfileResult, envelope_from_records, write_table
-
     if parquet is None:
         raise ProfileError("openai: the fit needs the server's telemetry: run the server "
                            "with the TableTune hook, `tabletune ingest --out DIR`, and pass "

@@ -53,13 +53,8 @@ from twin import (
     build_engine,
     load_scenario,
 )
-from twin.calibrate import (
-    CalibrationError,
-    calibrate,
-    measure_acceptance,
-    predict_step_s,
-    profile_toml,
-)
+from twin.calibrate import calibrate, measure_acceptance, predict_step_s
+from twin.calibration import CalibrationError, profile_toml
 
 TOLERANCE = 0.10
 """The criterion: twin throughput within 10 % of the real engine's."""

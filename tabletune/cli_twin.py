@@ -163,7 +163,8 @@ def run_twin(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     # polars, scipy and the dataset reader are a second of start-up that every other
     # command (twin run above all) would pay
-    from twin.calibrate import CalibrationError, calibrate, load_records, profile_toml
+    from twin.calibrate import calibrate, load_records
+    from twin.calibration import CalibrationError, profile_toml
 
     try:
         records = load_records(args.parquet, args.hardware_prefix, args.engine)

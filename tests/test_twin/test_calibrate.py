@@ -19,7 +19,8 @@ from twin import (
     load_scenario,
     run_scenario,
 )
-from twin.calibrate import CalibrationError, calibrate, load_records
+from twin.calibrate import calibrate, load_records
+from twin.calibration import CalibrationError
 
 KNOWN = {"target_kv": 2.0e-6, "target_batched": 4.0e-4, "target_fixed": 5.0e-3,
          "draft_kv": 5.0e-7, "draft_per_token": 1.0e-3, "draft_fixed": 2.0e-3,

@@ -12,7 +12,8 @@ import pytest
 from producers.sinks import read_file_sink
 from tabletune.cli import main
 from twin import ScenarioError, load_scenario, run_scenario
-from twin.calibrate import calibrate, profile_toml
+from twin.calibrate import calibrate
+from twin.calibration import profile_toml
 from twin.latency_table import (
     LatencyTableError,
     load_latency_table,

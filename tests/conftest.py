@@ -15,7 +15,7 @@ from kafka.admin import NewTopic
 from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
-from twin.synthetic_traces import PROFILES, write_traces
+from tests.synthetic_traces import PROFILES, write_traces
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -40,10 +40,6 @@ class RequestPool:
     def __len__(self) -> int:
         return len(self.prompt_len)
 
-    def acc_of(self, index: int) -> np.ndarray:
-        start = self.acc_offset[index]
-        return self.acc_len[start:start + self.output_len[index]]
-
     def scaled(self, prompt_scale: float) -> RequestPool:
         """The same requests with prompts `prompt_scale` times as long (at least 1 token)."""
         if prompt_scale == 1.0:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from twin.synthetic_traces import MAX_ACC_LEN, PROFILES, write_trace
+from tests.synthetic_traces import MAX_ACC_LEN, PROFILES, write_trace
 from twin.workload import load_trace
 
 FIELDS = {"id", "prompt_token_ids", "generated_token_ids", "acc_eagle", "acc_ngram"}

@@ -1,4 +1,4 @@
-"""SpecDecode-Bench-shaped traces from a seeded RNG: trace data for tests and for users who
+"""SpecDecode-Bench-shaped traces from a seeded RNG: the tests' trace data on machines that
 have no copy of the benchmark's files.
 
 A row carries the fields of a SpecDecode-Bench JSONL row (`id`, `prompt_token_ids`,

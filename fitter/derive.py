@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fitter.records import Records
 from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
 from fitter.surface.goodput import GoodputSurface
@@ -257,7 +258,7 @@ def derive_envelope(
 
 
 def fit_table(
-    records: Any,
+    records: Records,
     *,
     key: TableKey | str,
     max_k: int,

@@ -36,6 +36,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from fitter.records import Records, as_frame
 from schemas.step_checks import check_steps
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ _COLUMNS = ("engine_id", "batch_size", "k_next", "ctx_len_mean", "num_prefill_to
             "step_latency_s")
 _CELL = ("_batch_cell", "k_next", "_context_cell", "_prefill")
 
-Records = TypeVar("Records", pa.Table, pl.DataFrame)
+Frame = TypeVar("Frame", pa.Table, pl.DataFrame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,7 @@ class Screening:
         return self.records_out != self.records_in
 
 
-def screen(records: Records) -> tuple[Records, Screening]:
+def screen(records: Frame) -> tuple[Frame, Screening]:
     """`records` (pyarrow or polars) without invalid rows and disagreeing engines, capped."""
     n = len(records)
     table = records if isinstance(records, pa.Table) else records.to_arrow()
@@ -120,8 +121,8 @@ def with_screening(fit: Callable[..., Any]) -> Callable[..., Any]:
     `provenance` option (the control service's fit: `fitter.derive.fit_table`)."""
 
     @functools.wraps(fit)
-    def screened_fit(records: Any, **options: Any) -> Any:
-        kept, screening = screen(_frame(records))
+    def screened_fit(records: Records, **options: Any) -> Any:
+        kept, screening = screen(as_frame(records))
         if screening.changed:
             options["provenance"] = {**dict(options.get("provenance") or {}),
                                      "screening": screening.to_dict()}
@@ -214,16 +215,4 @@ def _consensus_frame(records: pa.Table | pl.DataFrame) -> pl.DataFrame | None:
     names = records.column_names if isinstance(records, pa.Table) else records.columns
     if not set(_COLUMNS) <= set(names):
         return None
-    if isinstance(records, pa.Table):
-        frame = pl.from_arrow(records.select(list(_COLUMNS)))
-        assert isinstance(frame, pl.DataFrame)
-        return frame
-    return records.select(_COLUMNS)
-
-
-def _frame(records: Any) -> pa.Table | pl.DataFrame:
-    if isinstance(records, pa.Table | pl.DataFrame):
-        return records
-    if isinstance(records, pa.RecordBatch):
-        return pa.Table.from_batches([records])
-    return pl.DataFrame(records)
+    return as_frame(records, columns=_COLUMNS).select(_COLUMNS)

@@ -23,6 +23,7 @@ import polars as pl
 
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.engine_consensus import Screening, screen
+from fitter.records import Records, as_frame
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
 from schemas import TableEnvelope, TableKey
 
@@ -64,31 +65,18 @@ class RefitDecision:
                 "screening": None if self.screening is None else self.screening.to_dict()}
 
 
-def key_from_records(records: Any) -> TableKey:
+def key_from_records(records: Records) -> TableKey:
     """The one model|drafter|hardware the records are for; several is an error."""
-    frame = _frame(records)
-    missing = [c for c in ("model", "drafter", "hardware") if c not in frame.columns]
-    if missing:
-        raise RefitError(f"records lack {missing} to derive the table key: pass key=")
-    keys = frame.select("model", "drafter", "hardware").unique().rows()
-    if len(keys) != 1:
-        shown = ", ".join("|".join(map(str, k)) for k in sorted(keys)[:5])
-        raise RefitError(f"records hold {len(keys)} table keys ({shown}): pass key=")
-    return TableKey(*(str(part) for part in keys[0]))
+    return _table_key(as_frame(records))
 
 
-def time_share_by_batch(records: Any, max_batch: int) -> np.ndarray:
+def time_share_by_batch(records: Records, max_batch: int) -> np.ndarray:
     """Engine time spent at each batch size 1..max_batch (shares summing to 1).
 
     Goodput gained at a batch size only matters in proportion to the time the fleet spends
     there; sizes above max_batch use the last entry, as the engine's lookup does.
     """
-    frame = _frame(records)
-    batch = np.clip(frame["batch_size"].to_numpy().astype(np.int64), 1, max_batch)
-    seconds = frame["step_latency_s"].to_numpy().astype(np.float64)
-    share = np.bincount(batch - 1, weights=seconds, minlength=max_batch)[:max_batch]
-    total = share.sum()
-    return share / total if total > 0 else np.full(max_batch, 1.0 / max_batch)
+    return _time_share(as_frame(records), max_batch)
 
 
 def predicted_gain(fit: SurfaceFit, candidate: TableEnvelope, current: TableEnvelope,
@@ -106,7 +94,7 @@ def predicted_gain(fit: SurfaceFit, candidate: TableEnvelope, current: TableEnve
 
 
 def decide_refit(
-    records: Any,
+    records: Records,
     current: TableEnvelope | None,
     *,
     key: TableKey | str | None = None,
@@ -133,7 +121,7 @@ def decide_refit(
     """
     if threshold < 0:
         raise RefitError(f"threshold={threshold} must be >= 0")
-    frame = _frame(records)
+    frame = as_frame(records)
     if frame.height == 0:
         raise RefitError("no telemetry records to fit")
     frame, screening = screen(frame)
@@ -141,7 +129,7 @@ def decide_refit(
         raise RefitError(f"no telemetry records left to fit after screening "
                          f"({screening.to_dict()})")
     if key is None:
-        key = current.key if current is not None else key_from_records(frame)
+        key = current.key if current is not None else _table_key(frame)
     key = key if isinstance(key, TableKey) else TableKey.parse(key)
     if startup_k_values is None:
         if current is not None:
@@ -164,7 +152,7 @@ def decide_refit(
     if current is None:
         return RefitDecision(candidate, True, "no current table", None, threshold, None, stale,
                              screening)
-    gain = predicted_gain(fit, candidate, current, time_share_by_batch(frame, max_batch))
+    gain = predicted_gain(fit, candidate, current, _time_share(frame, max_batch))
     candidate = dataclasses.replace(
         candidate, provenance={**candidate.provenance, "predicted_gain": round(gain, 6),
                                "replaces_version": current.version})
@@ -189,9 +177,20 @@ def parse_since(text: str) -> dt.timedelta:
     return dt.timedelta(**{units[unit]: amount})
 
 
-def _frame(records: Any) -> pl.DataFrame:
-    if isinstance(records, pl.DataFrame):
-        return records
-    frame = pl.from_arrow(records) if not isinstance(records, dict) else pl.DataFrame(records)
-    assert isinstance(frame, pl.DataFrame)
-    return frame
+def _table_key(frame: pl.DataFrame) -> TableKey:
+    missing = [c for c in ("model", "drafter", "hardware") if c not in frame.columns]
+    if missing:
+        raise RefitError(f"records lack {missing} to derive the table key: pass key=")
+    keys = frame.select("model", "drafter", "hardware").unique().rows()
+    if len(keys) != 1:
+        shown = ", ".join("|".join(map(str, k)) for k in sorted(keys)[:5])
+        raise RefitError(f"records hold {len(keys)} table keys ({shown}): pass key=")
+    return TableKey(*(str(part) for part in keys[0]))
+
+
+def _time_share(frame: pl.DataFrame, max_batch: int) -> np.ndarray:
+    batch = np.clip(frame["batch_size"].to_numpy().astype(np.int64), 1, max_batch)
+    seconds = frame["step_latency_s"].to_numpy().astype(np.float64)
+    share = np.bincount(batch - 1, weights=seconds, minlength=max_batch)[:max_batch]
+    total = share.sum()
+    return share / total if total > 0 else np.full(max_batch, 1.0 / max_batch)

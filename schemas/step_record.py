@@ -8,7 +8,7 @@ The Arrow schema below is the single source of truth for the column layout; the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 
@@ -125,12 +125,6 @@ class StepRecord:
     """Requests that left the batch since the previous step, one `REQUEST_SEGMENT_TYPE`
     row per segment of their generation that had decode steps."""
     schema_version: int = field(default=SCHEMA_VERSION)
-
-    def to_row(self) -> dict[str, object]:
-        row = asdict(self)
-        row["accepted_per_pos"] = list(self.accepted_per_pos)
-        row["finished_requests"] = [dict(r) for r in self.finished_requests]
-        return row
 
 
 STEP_RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord))

@@ -1,8 +1,9 @@
 """Fit both halves of the throughput surface from one telemetry table.
 
-This is the orchestration between raw telemetry and the two estimators: dedupe, recency
-weights, aggregation into cells, and the context each batch size is evaluated at. The math
-is in `latency`, `acceptance` and `goodput`; this module only wires them.
+This is the orchestration between raw telemetry and the two estimators: dedupe, then the
+estimators' inputs, computed once (`features`: recency weights, aggregation into cells, the
+context each batch size is evaluated at), then the fits. The math is in `latency`,
+`acceptance` and `goodput`; this module only wires them.
 
 It also decides which corrections the telemetry identifies (docs/MODEL.md). The draft share
 s is always measured (every step says how many requests drafted). The per-request
@@ -15,16 +16,17 @@ the plain surface: the pooled chain, the observed share, one context per batch s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import polars as pl
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import clone
 
+from fitter.records import Records
 from fitter.surface.acceptance import AcceptanceModel
 from fitter.surface.composition import CompositionModel
 from fitter.surface.context import RequestContextModel
+from fitter.surface.features import SurfaceFeatures, surface_features
 from fitter.surface.goodput import (
     DEFAULT_LATENCY_EXTRAPOLATION_REL,
     GoodputSurface,
@@ -33,16 +35,7 @@ from fitter.surface.goodput import (
 from fitter.surface.latency import StepLatencyModel
 from fitter.surface.share import DraftShareModel
 from fitter.surface.spread import RequestSpreadTest
-from fitter.surface.telemetry import (
-    acceptance_rows,
-    composition_by_position,
-    context_by_batch,
-    draft_share_rows,
-    latency_cells,
-    recency_weights,
-    request_segment_rows,
-    to_frame,
-)
+from fitter.surface.telemetry import to_frame
 from fitter.surface.validation import check_param
 
 DEFAULT_HALF_LIFE_S = 1800.0
@@ -99,7 +92,7 @@ class SurfaceFit:
 
 
 def fit_surface(
-    records: Any,
+    records: Records,
     *,
     max_k: int,
     max_batch: int,
@@ -117,7 +110,7 @@ def fit_surface(
     """Fit latency on aggregated cells of all steps, acceptance and the share of requests
     that draft on drafting steps.
 
-    `records` is a table with the step-record columns (pyarrow or polars). The estimators
+    `records` hold the step-record columns (`fitter.records.Records`). The estimators
     passed in are templates: they are cloned (hyper-parameters only), never fitted in place.
     `batch_composition` allows modelling which requests each K's batch holds
     (`fitter.surface.composition`) and `request_context` pricing each K at its own batch's
@@ -141,39 +134,39 @@ def fit_surface(
         frame = frame.filter(pl.col("ts_ns") >= steps_since_ns)
         if frame.height == 0:
             raise ValueError(f"no telemetry records from ts_ns {steps_since_ns} on to fit")
-    ts = frame["ts_ns"].to_numpy()
-    weights = recency_weights(ts, half_life_s, now_ns)
+    acceptance = clone(acceptance_model) if acceptance_model is not None else AcceptanceModel()
+    n_positions = acceptance.n_positions
+    if n_positions is None:
+        n_positions = max(max_k, 1)
+        acceptance.set_params(n_positions=n_positions)
+    features = surface_features(frame, requests, n_positions=n_positions, max_batch=max_batch,
+                                half_life_s=half_life_s, now_ns=now_ns)
 
-    X_lat, y_lat, cell_weight = latency_cells(frame, weights, half_life_s, now_ns)
-    keep = (cell_weight > 0) & (y_lat > 0)
+    cell_weight = features.latency_weight
+    keep = (cell_weight > 0) & (features.latency_y > 0)
     saturated = cell_weight[keep] / (cell_weight[keep] + cell_saturation)
     latency = clone(latency_model) if latency_model is not None else StepLatencyModel()
-    latency.fit(X_lat[keep], y_lat[keep], sample_weight=saturated)
+    latency.fit(features.latency_X[keep], features.latency_y[keep], sample_weight=saturated)
 
-    acceptance = clone(acceptance_model) if acceptance_model is not None else AcceptanceModel()
-    if acceptance.n_positions is None:
-        acceptance.set_params(n_positions=max(max_k, 1))
-    acceptance.fit(acceptance_rows(frame, weights, acceptance.n_positions))
+    acceptance.fit(features.acceptance_X)
 
-    share_X, share_weight = draft_share_rows(frame, weights)
-    draft_share = (DraftShareModel().fit(share_X, sample_weight=share_weight)
-                   if share_weight.size else None)
+    draft_share = (DraftShareModel().fit(features.share_X, sample_weight=features.share_weight)
+                   if features.share_weight.size else None)
 
-    ledger = request_segment_rows(requests, acceptance.n_positions_)
+    ledger = features.ledger
     spread = RequestSpreadTest().fit(ledger) if ledger.shape[0] else None
     identified = spread is not None and spread.identified_
-    composition = (_fit_composition(frame, weights, acceptance, draft_share)
+    composition = (_fit_composition(features, acceptance, draft_share)
                    if batch_composition and identified else None)
-    context = context_by_batch(frame, weights, np.arange(1, max_batch + 1))
     return SurfaceFit(
         latency=latency,
         acceptance=acceptance,
         max_batch=int(max_batch),
-        context_tokens=context,
+        context_tokens=features.context_tokens,
         n_records=frame.height,
         n_latency_cells=int(keep.sum()),
-        ts_min_ns=int(ts.min()),
-        ts_max_ns=int(ts.max()),
+        ts_min_ns=int(features.ts_ns.min()),
+        ts_max_ns=int(features.ts_ns.max()),
         half_life_s=half_life_s,
         latency_extrapolation_rel=latency_extrapolation_rel,
         draft_share=draft_share,
@@ -185,13 +178,13 @@ def fit_surface(
     )
 
 
-def _fit_composition(frame: Any, weights: NDArray[np.float64], acceptance: AcceptanceModel,
+def _fit_composition(features: SurfaceFeatures, acceptance: AcceptanceModel,
                      draft_share: DraftShareModel | None) -> CompositionModel | None:
     """The arrival mixture (`fitter.surface.composition`) fitted to each drafted position's
     acceptance per decode request, as pooled by the acceptance model (its prior keeps a
     thinly observed position from swinging the mixture), and the K that shaped the batches
     it was measured on; None when no position was drafted."""
-    shaped = composition_by_position(frame, weights, acceptance.n_positions_)
+    shaped = features.shaped_k_by_position()
     positions = acceptance.observed_positions_
     positions = positions[np.isfinite(shaped[positions - 1])]
     if positions.size == 0:

@@ -10,14 +10,12 @@ feature of their own); acceptance and the draft share take the steps that verifi
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import polars as pl
-import pyarrow as pa
 import pyarrow.compute as pc
 from numpy.typing import NDArray
 
+from fitter.records import Records, as_frame
 from fitter.surface.context import CONTEXT_COLUMNS
 from fitter.surface.latency import LATENCY_COLUMNS
 
@@ -37,21 +35,14 @@ MAX_AGE_BUCKET = 4
 """Steps older than 8 half-lives share one age bucket: their weight is < 0.4% anyway."""
 
 
-def to_frame(records: Any, *, dedupe: bool = True) -> pl.DataFrame:
+def to_frame(records: Records, *, dedupe: bool = True) -> pl.DataFrame:
     """The columns the fitter reads, as polars; duplicates on (engine_id, step_seq) dropped.
 
-    Accepts a pyarrow Table, a polars DataFrame, or anything `pl.DataFrame` takes. Without a
-    `num_draft_tokens` column every drafting request counts as verifying `k` drafts.
+    `records` are any `fitter.records.Records`. Without a `num_draft_tokens` column every
+    drafting request counts as verifying `k` drafts.
     """
     wanted = (*NEEDED_COLUMNS, REQUESTS_COLUMN)
-    if isinstance(records, pa.Table):
-        frame = pl.from_arrow(records.select([c for c in wanted
-                                              if c in records.column_names]))
-    elif isinstance(records, pl.DataFrame):
-        frame = records
-    else:
-        frame = pl.DataFrame(records)
-    assert isinstance(frame, pl.DataFrame)  # from_arrow of a Table is a frame
+    frame = as_frame(records, columns=wanted)
     if "num_draft_tokens" not in frame.columns:
         frame = frame.with_columns(
             (pl.col("num_drafts").cast(pl.Int64) * pl.col("k").cast(pl.Int64))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.derive import derive_envelope
+from fitter.records import Records
 from fitter.surface.fit import fit_surface
 from schemas import TableEnvelope, TableKey
 from tabletune.profile_twin import CellRun
@@ -42,7 +43,7 @@ class ProfileResult:
 
 
 
-def envelope_from_records(records: Any, *, key: TableKey, max_k: int, max_batch: int,
+def envelope_from_records(records: Records, *, key: TableKey, max_k: int, max_batch: int,
                           startup_k_values: Sequence[int], version: int, tolerance: float,
                           provenance: dict[str, Any]) -> TableEnvelope:
     """Fit all profile steps with equal weight (they are all equally recent) and derive.

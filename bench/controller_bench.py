@@ -142,8 +142,8 @@ def recovery(name: str, seed: int | None = None, *, oracle_choice: bool = False
             "tabletune_vs_best_pct": round(100 * (tt_rate / rates[best_k] - 1), 2),
             "recovery": round((tt_rate - stale_rate) / loss, 3) if loss > 0 else None,
             "k_picked": ending[1].k_for(batch),
-            "stale_events": sum(1 for e in policy.loop.decisions if e["what"] == "stale"),
-            "rollbacks": sum(1 for e in policy.loop.decisions if e["what"] == "roll_back"),
+            "stale_events": sum(1 for e in policy.loop.decisions if e.what == "stale"),
+            "rollbacks": sum(1 for e in policy.loop.decisions if e.what == "roll_back"),
         }
         if oracle is not None and oracle_run is not None:
             _, oracle_stale = _stale_rate(scenario, oracle, phase, start, end)
@@ -277,12 +277,12 @@ def rollback(plant_at_s: float = 150.0) -> dict[str, Any]:
     run_scenario(scenario, policy)
     policy.close()
     assert policy.loop is not None and policy.status is not None
-    rolled = [e for e in policy.loop.decisions if e["what"] == "roll_back" and e["t_s"] >= plant_at_s]
+    rolled = [e for e in policy.loop.decisions if e.what == "roll_back" and e.t_s >= plant_at_s]
     events = [e for e in policy.status.recent if e["event"] == "rolled_back"]
     return {
         "scenario": "eagle-high-load.toml", "planted_at_s": plant_at_s,
-        "rolled_back_after_s": round(rolled[0]["t_s"] - plant_at_s, 2) if rolled else None,
-        "evidence": rolled[0] if rolled else None,
+        "rolled_back_after_s": round(rolled[0].t_s - plant_at_s, 2) if rolled else None,
+        "evidence": rolled[0].entry() if rolled else None,
         "status_event": events[0] if events else None,
     }
 

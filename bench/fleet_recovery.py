@@ -27,6 +27,7 @@ import numpy as np
 
 from bench.common import emit
 from bench.controller_bench import SETTLE_S, window_rate
+from controller.fleet.decisions import Decision
 from schemas import DraftTable
 from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
@@ -38,7 +39,7 @@ from twin.tabletune_policy import TabletunePolicy
 
 
 def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
-                   ) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
+                   ) -> tuple[dict[str, Any], list[Decision], float]:
     """(the fleet's result, the control service's decisions, the fleet's epoch)."""
     with EmbeddedBroker() as broker:
         env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap}
@@ -49,27 +50,27 @@ def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
         return result, control.decisions(), fleet.epoch_s
 
 
-def table_at(decisions: list[dict[str, Any]], epoch_s: float, t_s: float
+def table_at(decisions: list[Decision], epoch_s: float, t_s: float
              ) -> tuple[int, DraftTable] | None:
-    staged = [d for d in decisions if d["what"] == "stage" and d["t_s"] - epoch_s <= t_s]
+    staged = [d for d in decisions if d.what == "stage" and d.t_s - epoch_s <= t_s]
     if not staged:
         return None
-    return staged[-1]["version"], DraftTable.from_vllm(staged[-1]["table"])
+    return staged[-1].fields["version"], DraftTable.from_vllm(staged[-1].fields["table"])
 
 
-def canary_cost(fleet: dict[str, Any], decisions: list[dict[str, Any]], epoch_s: float,
+def canary_cost(fleet: dict[str, Any], decisions: list[Decision], epoch_s: float,
                 phase: dict[str, Any]) -> dict[str, Any] | None:
     """The canary's output deficit while forced, against the other engines' mean, as a
     share of the whole fleet's output over the phase."""
-    starts = [d for d in decisions if d["what"] == "reprofile"
-              and phase["start_s"] <= d["t_s"] - epoch_s < phase["end_s"]]
-    if not starts or not starts[0]["targets"]:
+    starts = [d for d in decisions if d.what == "reprofile"
+              and phase["start_s"] <= d.t_s - epoch_s < phase["end_s"]]
+    if not starts or not starts[0].fields["targets"]:
         return None
-    begin = starts[0]["t_s"] - epoch_s
-    ends = [d["t_s"] - epoch_s for d in decisions
-            if d["what"] == "refit" and d.get("reason") == "stale" and d["t_s"] - epoch_s > begin]
+    begin = starts[0].t_s - epoch_s
+    ends = [d.t_s - epoch_s for d in decisions if d.what == "refit"
+            and d.fields.get("reason") == "stale" and d.t_s - epoch_s > begin]
     end = ends[0] if ends else phase["end_s"]
-    canaries = set(starts[0]["targets"])
+    canaries = set(starts[0].fields["targets"])
 
     def emitted(summary: dict[str, Any], a: float, b: float) -> float:
         return sum(rate * 10.0 for t, rate in summary["timeline"] if a <= t < b)
@@ -123,8 +124,8 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
             "in_memory_recovery": round((memory_rate - stale_rate) / loss, 3)
             if loss > 0 else None,
             "canary": canary_cost(fleet, decisions, epoch_s, phase),
-            "stale_events": sum(1 for d in decisions if d["what"] == "stale"),
-            "versions": sorted({d["version"] for d in decisions if d["what"] == "stage"}),
+            "stale_events": sum(1 for d in decisions if d.what == "stale"),
+            "versions": sorted({d.fields["version"] for d in decisions if d.what == "stage"}),
         })
     return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
             "phases": rows}

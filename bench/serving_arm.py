@@ -31,6 +31,7 @@ from bench.serving_plan import (
     speed_of,
 )
 from bench.serving_server import HEALTH_TIMEOUT_S, REPO, ModelSetup, Server, engine_environment
+from controller.fleet.decisions import Decision
 from controller.fleet.table_log import force, publish, read_topic
 from schemas import DraftTable, TableKey
 from schemas.control import MAX_FORCE_S
@@ -84,7 +85,7 @@ class ArmRun:
     server_start_s: float | None = None
     wall_s: float | None = None
     control_dir: Path | None = None
-    control_decisions: list[dict[str, Any]] = field(default_factory=list)
+    control_decisions: list[Decision] = field(default_factory=list)
     """`tabletune` arms: the control service's decisions, in the order it took them."""
     control_summary: dict[str, Any] = field(default_factory=dict)
     """`tabletune` arms: the control service's exit summary."""

@@ -65,20 +65,18 @@ def sweeps(run: ArmRun) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     signal = None
     for decision in run.control_decisions:
-        what, at = decision.get("what"), decision.get("t_s")
-        if not isinstance(at, (int, float)):
-            continue
+        what, at, fields = decision.what.value, decision.t_s, decision.fields
         if what == "stale":
-            signal = decision.get("signal")
+            signal = fields.get("signal")
         elif what in ("profile", "reprofile"):
             out.append({"kind": what, "signal": signal if what == "reprofile" else None,
                         "started_s": round(at - origin, 1), "started_in": phase_at(run, at),
-                        "block_s": decision.get("block_s"),
-                        "confirm_block_s": decision.get("confirm_block_s"),
+                        "block_s": fields.get("block_s"),
+                        "confirm_block_s": fields.get("confirm_block_s"),
                         "ended_s": None, "ended_in": None})
             signal = None
         elif (what == "refit" and out and out[-1]["ended_s"] is None
-              and decision.get("reason") in ("profile", "stale")):
+              and fields.get("reason") in ("profile", "stale")):
             out[-1].update(ended_s=round(at - origin, 1), ended_in=phase_at(run, at))
     return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from controller.fleet.decisions import Decision
 from tabletune.broker import stop_process
 
 READY_TIMEOUT_S = 90.0
@@ -68,13 +69,13 @@ class ControlProcess:
     def stop(self) -> None:
         stop_process(self._process, STOP_TIMEOUT_S)
 
-    def decisions(self) -> list[dict[str, Any]]:
+    def decisions(self) -> list[Decision]:
         """Every decision of every key's loop, in the order the service took them."""
         if not self.decisions_path.exists():
             raise ControlProcessError(
                 f"tabletune control wrote no decisions:\n{self.log_path.read_text()}")
-        return [json.loads(line) for line in self.decisions_path.read_text().splitlines()
-                if line]
+        return [Decision.from_dict(json.loads(line))
+                for line in self.decisions_path.read_text().splitlines() if line]
 
     def summary(self) -> dict[str, Any]:
         """The service's exit line (records, errors, each key's state, `cpu_s`, `wall_s`)."""

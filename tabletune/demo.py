@@ -37,6 +37,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from controller.fleet.decisions import Decision
 from controller.fleet.table_log import read_log
 from fitter.ingest import IngestConfig, Ingestor
 from schemas import TableEnvelope, TableKey
@@ -168,13 +169,13 @@ def _fleet_result(fleet: subprocess.Popen[bytes]) -> dict[str, Any]:
     return json.loads(output.read_text())
 
 
-def _collect(result: GroupResult, run: dict[str, Any], decisions: list[dict[str, Any]],
+def _collect(result: GroupResult, run: dict[str, Any], decisions: list[Decision],
              envelopes: list[TableEnvelope]) -> None:
     result.live = list(run["engines"].values())
     epoch_s = run["epoch_s"]
     key = str(result.key)
-    result.tables = [(d["t_s"] - epoch_s, d["version"], d["table"]) for d in decisions
-                     if d["key"] == key and d["what"] == "stage"]
+    result.tables = [(d.t_s - epoch_s, d.fields["version"], d.fields["table"])
+                     for d in decisions if d.key == key and d.what == "stage"]
     mine = sorted((e for e in envelopes if e.key == result.key), key=lambda e: e.version)
     if mine:
         result.first_envelope, result.last_envelope = mine[0], mine[-1]

@@ -1,9 +1,9 @@
 """`tabletune control --decisions FILE`: each loop decision appended to FILE as it is taken.
 
-The loop logs every decision at INFO with the whole of it on the record (`ClosedLoop._note`);
-a stdlib `FileHandler` with this formatter writes those as JSON lines and flushes each, so a
-service killed with -9 leaves every decision it took before the kill, and a reader can follow
-the file while it runs.
+The loop logs every decision at INFO with the whole of it on the record
+(`controller.fleet.decisions.DecisionLog`); a stdlib `FileHandler` with this formatter writes
+those as JSON lines and flushes each, so a service killed with -9 leaves every decision it
+took before the kill, and a reader can follow the file while it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class DecisionFormatter(logging.Formatter):
     """A record's `decision` attribute as one JSON object."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(record.decision, default=str)  # type: ignore[attr-defined]
+        return json.dumps(record.decision.to_dict(), default=str)  # type: ignore[attr-defined]
 
 
 def decision_file_handler(path: str | Path) -> logging.FileHandler:

@@ -43,8 +43,8 @@ def test_planted_bad_table_is_rolled_back_within_60_s() -> None:
     event = rolled[0]
     assert event["reason"] == "guardrail" and event["goodput_ratio"] < 0.97
     assert event["ratio_upper"] < 0.97  # confident, not just a low point estimate
-    back = [d for d in policy.loop.decisions if d["what"] == "roll_back"]
-    assert back[0]["t_s"] - 70.0 <= 60.0
+    back = [d for d in policy.loop.decisions if d.what == "roll_back"]
+    assert back[0].t_s - 70.0 <= 60.0
     planted_version = event["version"]
     assert policy.loop.agent.state.desired_version != planted_version
     assert planted_version in policy.loop.agent.state.withdrawn
@@ -112,11 +112,11 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     policy.close()
     assert policy.loop is not None
     decisions = policy.loop.decisions
-    stale = next(d for d in decisions if d["what"] == "stale" and d["t_s"] > 70.0)
-    confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > stale["t_s"])
-    refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
-    assert refit["reason"] == "stale"
-    k_values = confirm["k_values"]
+    stale = next(d for d in decisions if d.what == "stale" and d.t_s > 70.0)
+    confirm = next(d for d in decisions if d.what == "confirm" and d.t_s > stale.t_s)
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > confirm.t_s)
+    assert refit.fields["reason"] == "stale"
+    k_values = confirm.fields["k_values"]
     assert len(k_values) == 3 and k_values == list(range(k_values[0], k_values[-1] + 1))
 
     config = policy.loop.config
@@ -124,15 +124,15 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     ts = records.column("ts_ns").to_numpy() / 1e9
     # the refit's table is watched against the settling stretch (with its level shift)
     # unless the confirmation ran the stale table's K at the batch size it served most
-    stale_table = [table for at, _, table in policy.loop.applied if at <= stale["t_s"]][-1]
-    confirming = (ts >= confirm["t_s"]) & (ts < refit["t_s"])
+    stale_table = [table for at, _, table in policy.loop.applied if at <= stale.t_s][-1]
+    confirming = (ts >= confirm.t_s) & (ts < refit.t_s)
     batch = int(np.median(records.column("batch_size").to_numpy()[confirming]))
     ran_stale_k = stale_table.k_for(batch) in k_values
-    stage = next(d for d in decisions if d["what"] == "stage" and d["t_s"] >= refit["t_s"])
-    assert stage["watch"] == (None if ran_stale_k else "after_drift")
-    assert any(d["what"] == "unwatched" and d["t_s"] == refit["t_s"]
+    stage = next(d for d in decisions if d.what == "stage" and d.t_s >= refit.t_s)
+    assert stage.fields["watch"] == (None if ran_stale_k else "after_drift")
+    assert any(d.what == "unwatched" and d.t_s == refit.t_s
                for d in decisions) == ran_stale_k
-    during = (ts >= stale["t_s"]) & (ts < refit["t_s"])
+    during = (ts >= stale.t_s) & (ts < refit.t_s)
     forced = records.column("forced").to_numpy()[during]
     k_next = records.column("k_next").to_numpy()[during]
     at = ts[during]
@@ -169,19 +169,20 @@ def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
     assert policy.loop is not None
     config = policy.loop.config
     decisions = policy.loop.decisions
-    refits = [d for d in decisions if d["what"] == "refit" and d["t_s"] > 70.0]
-    stale = [d for d in refits if d["reason"] == "stale"]
-    follow_ups = [d for d in refits if d["reason"] == "follow_up"]
+    refits = [d for d in decisions if d.what == "refit" and d.t_s > 70.0]
+    stale = [d for d in refits if d.fields["reason"] == "stale"]
+    follow_ups = [d for d in refits if d.fields["reason"] == "follow_up"]
     assert len(stale) == 1 and len(follow_ups) == 1, refits
     follow_up = follow_ups[0]
-    assert follow_up["t_s"] >= stale[0]["t_s"] + config.follow_up_s
-    staged = [d for d in decisions if d["what"] == "stage" and d["t_s"] == follow_up["t_s"]]
-    assert bool(staged) == (follow_up["gain"] >= config.follow_up_min_gain), (follow_up, staged)
-    periodic = [d for d in refits if d["reason"] == "periodic" and d["t_s"] > stale[0]["t_s"]]
-    assert any(d["t_s"] > follow_up["t_s"] for d in periodic), refits
+    assert follow_up.t_s >= stale[0].t_s + config.follow_up_s
+    staged = [d for d in decisions if d.what == "stage" and d.t_s == follow_up.t_s]
+    assert bool(staged) == (follow_up.fields["gain"] >= config.follow_up_min_gain), (
+        follow_up, staged)
+    periodic = [d for d in refits if d.fields["reason"] == "periodic" and d.t_s > stale[0].t_s]
+    assert any(d.t_s > follow_up.t_s for d in periodic), refits
     for refit in periodic:
-        published = any(d["what"] == "stage" and d["t_s"] == refit["t_s"] for d in decisions)
-        assert not published or refit["gain"] >= config.min_gain, refit
+        published = any(d.what == "stage" and d.t_s == refit.t_s for d in decisions)
+        assert not published or refit.fields["gain"] >= config.min_gain, refit
 
 def assert_reprofile_restarted(scenario: Scenario) -> None:
     """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
@@ -191,9 +192,9 @@ def assert_reprofile_restarted(scenario: Scenario) -> None:
     run_scenario(scenario, policy)
     policy.close()
     assert policy.loop is not None
-    what = [(d["what"], d["t_s"]) for d in policy.loop.decisions
-            if d["what"] in ("stale", "confirm", "reprofile_restarted", "refit")
-            and d.get("reason") != "periodic" and d["t_s"] > 70.0]
+    what = [(d.what, d.t_s) for d in policy.loop.decisions
+            if d.what in ("stale", "confirm", "reprofile_restarted", "refit")
+            and d.fields.get("reason") != "periodic" and d.t_s > 70.0]
     restarted = [t for w, t in what if w == "reprofile_restarted"]
     assert restarted and restarted[0] > 145.0, what
     after = [w for w, t in what if t > restarted[0]]
@@ -237,15 +238,15 @@ def test_a_slow_engines_cold_key_profiles_longer_and_gets_its_first_table() -> N
     policy.close()
     assert policy.loop is not None
     decisions = policy.loop.decisions
-    extended = [d for d in decisions if d["what"] == "profile_extended"]
-    assert extended and extended[0]["records"] < 200, decisions
-    first = next(d for d in decisions if d["what"] == "refit")
-    assert first["reason"] == "profile" and first["version"] == 1, decisions
+    extended = [d for d in decisions if d.what == "profile_extended"]
+    assert extended and extended[0].fields["records"] < 200, decisions
+    first = next(d for d in decisions if d.what == "refit")
+    assert first.fields["reason"] == "profile" and first.fields["version"] == 1, decisions
     # the fit kept the first run's records: every step since the profile began, at the
     # rate the first run held them
-    began = next(d for d in decisions if d["what"] == "profile")["t_s"]
-    rate = extended[0]["records"] / (extended[0]["t_s"] - began)
-    assert first["records"] >= 0.85 * rate * (first["t_s"] - began), decisions
+    began = next(d for d in decisions if d.what == "profile").t_s
+    rate = extended[0].fields["records"] / (extended[0].t_s - began)
+    assert first.fields["records"] >= 0.85 * rate * (first.t_s - began), decisions
     assert [v for _, v, _ in policy.loop.applied][-1] >= 1
 
 
@@ -263,12 +264,13 @@ def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_tabl
                     prompt_len=128, output_len=256)))
     policy, tt, fixed = tabletune_and_stale(scenario, drift_s=240.0)
     decisions = policy.loop.decisions
-    reprofile = next(d for d in decisions if d["what"] == "reprofile" and d["t_s"] > 240)
+    reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s > 240)
     # 300 steps over the sweep's 16 blocks, and over the confirmation's 6 runs
-    assert 3.0 <= reprofile["block_s"] <= 10.0 and 8.0 <= reprofile["confirm_block_s"] <= 30.0
-    confirm = next(d for d in decisions if d["what"] == "confirm" and d["t_s"] > reprofile["t_s"])
-    assert len(confirm["k_values"]) == 3, decisions
-    refit = next(d for d in decisions if d["what"] == "refit" and d["t_s"] > confirm["t_s"])
-    assert refit["reason"] == "stale" and refit["version"] == 2, decisions
-    tt_rate, stale_rate = rate(tt, refit["t_s"], 600.0), rate(fixed, refit["t_s"], 600.0)
+    assert (3.0 <= reprofile.fields["block_s"] <= 10.0
+            and 8.0 <= reprofile.fields["confirm_block_s"] <= 30.0)
+    confirm = next(d for d in decisions if d.what == "confirm" and d.t_s > reprofile.t_s)
+    assert len(confirm.fields["k_values"]) == 3, decisions
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > confirm.t_s)
+    assert refit.fields["reason"] == "stale" and refit.fields["version"] == 2, decisions
+    tt_rate, stale_rate = rate(tt, refit.t_s, 600.0), rate(fixed, refit.t_s, 600.0)
     assert tt_rate > 1.05 * stale_rate, (tt_rate, stale_rate, decisions)

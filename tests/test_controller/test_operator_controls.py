@@ -26,7 +26,7 @@ def operator(key: TableKey, action: str, version: int | None = None) -> TableCon
 
 def first_table_version(policy: TabletunePolicy) -> int:
     assert policy.loop is not None
-    staged = [d["version"] for d in policy.loop.decisions if d["what"] == "stage"]
+    staged = [d.fields["version"] for d in policy.loop.decisions if d.what == "stage"]
     assert staged, policy.loop.decisions
     return staged[0]
 
@@ -44,14 +44,14 @@ def test_a_pin_holds_the_service_through_a_drift_and_an_unpin_lets_it_go_on() ->
     loop, feed = policy.loop, policy.feed
     assert loop is not None and feed is not None
     assert first_table_version(policy) == 1
-    held = [d for d in loop.decisions if 50.0 <= d["t_s"] < 150.0]
-    assert [d["what"] for d in held][:1] == ["operator"] and held[0]["pinned"], held
-    assert not [d for d in held if d["what"] in ("reprofile", "stage", "refit", "stale")], held
-    after = [d for d in loop.decisions if d["t_s"] >= 150.0]
-    assert after[0]["what"] == "operator" and not after[0]["pinned"]
-    moved = [d for d in after if d["what"] == "stage" and d["version"] > 1]
+    held = [d for d in loop.decisions if 50.0 <= d.t_s < 150.0]
+    assert [d.what for d in held][:1] == ["operator"] and held[0].fields["pinned"], held
+    assert not [d for d in held if d.what in ("reprofile", "stage", "refit", "stale")], held
+    after = [d for d in loop.decisions if d.t_s >= 150.0]
+    assert after[0].what == "operator" and not after[0].fields["pinned"]
+    moved = [d for d in after if d.what == "stage" and d.fields["version"] > 1]
     assert moved, after
-    assert feed.agent.state.desired_version == moved[-1]["version"]
+    assert feed.agent.state.desired_version == moved[-1].fields["version"]
 
 
 def test_after_an_operator_rollback_the_service_waits_out_its_cooldown() -> None:
@@ -70,12 +70,12 @@ def test_after_an_operator_rollback_the_service_waits_out_its_cooldown() -> None
     assert first_table_version(policy) == 1
     assert 1 in feed.agent.state.withdrawn and 1 in loop.agent.state.withdrawn
     cooldown_end = 50.0 + loop.config.rollback_cooldown_s
-    stages = [d for d in loop.decisions if d["what"] == "stage" and d["t_s"] > 50.0]
-    assert stages[0]["version"] == 0  # the engines' own move back, taken in
+    stages = [d for d in loop.decisions if d.what == "stage" and d.t_s > 50.0]
+    assert stages[0].fields["version"] == 0  # the engines' own move back, taken in
     sent = stages[1:]
-    assert all(d["t_s"] >= cooldown_end and d["version"] > 1 for d in sent), sent
-    refits = [d for d in loop.decisions if d["what"] == "refit" and d["t_s"] > 50.0]
-    assert refits and refits[0]["t_s"] >= cooldown_end, refits
+    assert all(d.t_s >= cooldown_end and d.fields["version"] > 1 for d in sent), sent
+    refits = [d for d in loop.decisions if d.what == "refit" and d.t_s > 50.0]
+    assert refits and refits[0].t_s >= cooldown_end, refits
 
 
 def test_a_restarted_service_folds_the_pin_it_finds_on_the_topic() -> None:
@@ -110,6 +110,6 @@ def test_a_restarted_service_folds_the_pin_it_finds_on_the_topic() -> None:
     for step in range(120):  # past a refit interval: nothing is fitted or sent while pinned
         pinned.tick(start + step, None)
     assert not sent
-    assert [d["what"] for d in pinned.decisions] == ["resume"]
+    assert [d.what for d in pinned.decisions] == ["resume"]
     pinned.observe_control(operator(key, "unpin"), start + 120)
     assert not pinned.pinned and pinned.agent.state.desired_version == 2

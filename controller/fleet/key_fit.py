@@ -1,0 +1,47 @@
+"""The fitter as the closed loop calls it: on one key's records, within the key's limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from controller.fleet.decisions import DecisionLog, What
+from controller.validation import EngineLimits
+from schemas import TableEnvelope
+
+Fit = Callable[..., TableEnvelope]
+"""fit(records, *, key, max_k, max_batch, startup_k_values, version, half_life_s, ...)."""
+
+MIN_FIT_RECORDS = 200
+"""Fewer step records than this make no fit: the surface has a dozen coefficients per K."""
+
+
+class KeyFitter:
+    def __init__(self, fit: Fit, limits: EngineLimits, fewest_ranges: bool,
+                 decisions: DecisionLog) -> None:
+        self.fit = fit
+        """The fitter itself (a benchmark may wrap it after the loop is built)."""
+        self.limits = limits
+        self.fewest_ranges = fewest_ranges
+        self.decisions = decisions
+
+    def __call__(self, records: pa.Table, now_s: float, *, reason: str, version: int,
+                 half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
+                 provenance: dict[str, Any] | None = None, **fit_options: Any,
+                 ) -> TableEnvelope | None:
+        """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
+        decision) when the records cannot be fitted."""
+        try:
+            return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
+                            max_batch=self.limits.max_batch, startup_k_values=k_values,
+                            version=version, half_life_s=half_life_s,
+                            now_ns=int(now_s * 1e9), tolerance=tolerance,
+                            fewest_ranges=self.fewest_ranges,
+                            provenance={"reason": reason, **(provenance or {})},
+                            **fit_options)
+        except (ValueError, np.linalg.LinAlgError) as exc:
+            self.decisions.note(now_s, What.FIT_FAILED, reason=reason, error=str(exc))
+            return None

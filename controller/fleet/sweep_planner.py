@@ -1,0 +1,256 @@
+"""The forced-K sweeps of the closed loop: a cold key's profile and the re-profile after
+`stale`, block by block, with the re-profile's confirmation planned from its sweep.
+
+The planner decides which K the forced engines run and for how long; what the loop does when
+a sweep ends (its refit, the state it goes back to) is the loop's.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from controller.fleet.decisions import DecisionLog, What
+from controller.fleet.key_fit import MIN_FIT_RECORDS, KeyFitter
+from controller.fleet.loop_config import LoopConfig
+from controller.fleet.publisher import Publisher
+from controller.fleet.record_window import RecordWindow
+from controller.fleet.sweep import (
+    CONFIRM_WIDTH,
+    Sweep,
+    confirmation_k_values,
+    first_position_acceptance,
+)
+from controller.guardrail import Guardrail
+from controller.validation import EngineLimits
+from schemas import DraftTable
+
+MAX_PROFILE_STRETCH = 16
+"""A sweep's blocks grow at most this many times their configured length for a slow engine
+(docs/TUNING.md): enough for a few steps a second, not an unbounded sweep."""
+
+REPROFILE_STEPS = 300
+"""A re-profile's sweep, and then its confirmation, each last long enough for this many steps
+of the engines they force, at their recent rate: 1.5 x MIN_FIT_RECORDS, as the rate moves
+with the K forced (docs/TUNING.md)."""
+
+
+class SweepProgress(enum.Enum):
+    RUNNING = "running"
+    RESTART = "restart"
+    """The regime moved under the re-profile: it must start again."""
+    DONE = "done"
+    """Every block ran: the loop refits on the sweep's records."""
+
+
+class SweepPlanner:
+    def __init__(self, config: LoopConfig, limits: EngineLimits, window: RecordWindow,
+                 fitter: KeyFitter, publisher: Publisher, guardrail: Guardrail,
+                 decisions: DecisionLog) -> None:
+        self.config = config
+        self.limits = limits
+        self.k_values = tuple(sorted(limits.startup_k_values))
+        self.window = window
+        self.fitter = fitter
+        self.publisher = publisher
+        self.guardrail = guardrail
+        self.decisions = decisions
+        self.sweep: Sweep | None = None
+        """The sweep running (None: none)."""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The engines the running sweep forces (empty: every engine, or no sweep)."""
+        return () if self.sweep is None else self.sweep.targets
+
+    def start_profile(self, now_s: float, block_s: float, *,
+                      fit_since_s: float | None = None) -> None:
+        """Every startup K for `block_s`, `profile_rounds` times over, on every engine."""
+        blocks: list[int | None] = [*self.k_values] * self.config.profile_rounds
+        self.sweep = Sweep(blocks, [block_s] * len(blocks), now_s, fit_since_s=fit_since_s)
+        self.decisions.note(now_s, What.PROFILE, blocks=len(blocks), block_s=block_s)
+
+    def start_reprofile(self, now_s: float, *, restarted: bool = False) -> None:
+        """The settling stretch, then every K up and back down on the canaries; the
+        confirmation is planned when those blocks run out."""
+        # acceptance beyond the table's K is censored, a new load range unobserved and a
+        # new context's cost at other K unmeasured: only a sweep shows them
+        cfg = self.config
+        ks = [*self.k_values, *self.k_values[::-1]]
+        blocks: list[int | None] = [None, *ks]
+        targets = self._canaries(now_s)
+        block_s, confirm_s = self._sized_for_steps(now_s, targets)
+        lengths = [cfg.reprofile_settle_s] + [block_s] * len(ks)
+        self.sweep = Sweep(blocks, lengths, now_s, confirm=confirm_s > 0,
+                           fit_since_s=now_s + cfg.reprofile_settle_s, restarted=restarted,
+                           targets=targets, confirm_block_s=confirm_s)
+        stretched = ({"block_s": round(block_s, 2), "confirm_block_s": round(confirm_s, 2)}
+                     if (block_s, confirm_s) != (cfg.reprofile_block_s, cfg.confirm_block_s)
+                     else {})
+        self.decisions.note(now_s, What.REPROFILE, targets=list(self.sweep.targets),
+                            **stretched)
+        self.window.data_since_s = now_s + cfg.reprofile_settle_s
+
+    def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
+        """Run the block due at `now_s`: force its K (or release, for the settling stretch),
+        plan the confirmation when the sweep's blocks run out, extend a cold profile that
+        holds too few records (`profiling`)."""
+        sweep = self.sweep
+        assert sweep is not None
+        index = sweep.block_at(now_s)
+        if index >= len(sweep.blocks) and sweep.confirm:
+            self._plan_confirmation(sweep, now_s)
+            index = sweep.block_at(now_s)
+        if index >= len(sweep.blocks) and self._regime_moved(sweep, now_s):
+            return SweepProgress.RESTART
+        if index >= len(sweep.blocks) and profiling and self._profile_too_short(sweep, now_s):
+            return SweepProgress.RUNNING
+        if index >= len(sweep.blocks):
+            return SweepProgress.DONE
+        if index == sweep.index:
+            return SweepProgress.RUNNING
+        sweep.index = index
+        if index == 1 and sweep.blocks[0] is None and sweep.fit_since_s is not None:
+            # the settling stretch ran long if its tick came late: the fits start where
+            # the first forced block really does (a longer profile has none: its fits keep
+            # the first run's records)
+            sweep.fit_since_s = sweep.started_s + sweep.late_s + sweep.block_s[0]
+            self.window.data_since_s = max(self.window.data_since_s, sweep.fit_since_s)
+        k = sweep.blocks[index]
+        if k is None:
+            # the guardrail's baseline for the refit to come is this stretch, not what ran
+            # before the drift showed
+            self.guardrail.reset_baseline()
+            self.publisher.release(now_s)
+        else:
+            block_end_s = (sweep.started_s + sweep.late_s
+                           + float(np.sum(sweep.block_s[:index + 1])))
+            self.publisher.force(DraftTable.from_vllm([[1, self.limits.max_batch, k]]), now_s,
+                                 until_s=block_end_s + self.config.force_grace_s,
+                                 targets=sweep.targets)
+        return SweepProgress.RUNNING
+
+    def _canaries(self, now_s: float) -> tuple[str, ...]:
+        """The engines a re-profile forces: `canary_share` of the live ones, at least one,
+        the same ones each time while they live; all of them (no targets) for one engine."""
+        live = self.window.live_engines(now_s - self.config.engine_idle_s)
+        if len(live) <= 1:
+            return ()
+        count = max(1, int(len(live) * self.config.canary_share))
+        return tuple(live[:count])
+
+    def _sized_for_steps(self, now_s: float, targets: tuple[str, ...]) -> tuple[float, float]:
+        """The re-profile's sweep block and confirmation run lengths: the configured ones,
+        longer (up to MAX_PROFILE_STRETCH times) where the engines to be forced ran too few
+        steps a second for REPROFILE_STEPS in the sweep and in the confirmation."""
+        cfg = self.config
+        rate = self.window.step_rate(now_s, targets)
+        if rate is None:
+            return cfg.reprofile_block_s, cfg.confirm_block_s
+
+        def sized(base_s: float, blocks: int) -> float:
+            return min(base_s * MAX_PROFILE_STRETCH, max(base_s, REPROFILE_STEPS / (rate * blocks)))
+
+        sweep_blocks = 2 * len(self.k_values)
+        confirm_runs = 2 * min(len(self.k_values), CONFIRM_WIDTH)
+        confirm_s = sized(cfg.confirm_block_s, confirm_runs) if cfg.confirm_block_s else 0.0
+        return sized(cfg.reprofile_block_s, sweep_blocks), confirm_s
+
+    def _profile_too_short(self, sweep: Sweep, now_s: float) -> bool:
+        """A cold key's profile that ended with too few records for a fit runs again, its
+        blocks longer by the shortfall (the first run's records are kept for the fit)."""
+        records = self.window.window(now_s, since_s=sweep.records_from_s)
+        held = 0 if records is None else records.num_rows
+        block_s = sweep.block_s[0]
+        longest = self.config.profile_block_s * MAX_PROFILE_STRETCH
+        if held >= MIN_FIT_RECORDS or block_s >= longest:
+            return False
+        # sized for twice the minimum over both runs, at the rate the first one ran
+        stretch = min(longest, block_s * max(1.0, (2 * MIN_FIT_RECORDS - held) / max(held, 1)))
+        self.decisions.note(now_s, What.PROFILE_EXTENDED, records=held,
+                            block_s=round(stretch, 2))
+        self.start_profile(now_s, stretch, fit_since_s=sweep.records_from_s)
+        return True
+
+    def _plan_confirmation(self, sweep: Sweep, now_s: float) -> None:
+        """Append long runs at the K the sweep so far points to and its neighbours (mirrored:
+        a, b, c, c, b, a, so a trend over time cancels between them)."""
+        sweep.confirm = False
+        chosen = self._sweep_choice(now_s, since_s=sweep.records_from_s)
+        if chosen is not None:
+            sweep.confirmed = confirmation_k_values(self.k_values, chosen)
+        if sweep.targets:
+            self._stage_interim(now_s, since_s=sweep.records_from_s)
+        runs = [*sweep.confirmed, *sweep.confirmed[::-1]]
+        sweep.confirm_started_s = now_s
+        sweep.blocks += runs
+        sweep.block_s += [sweep.confirm_block_s] * len(runs)
+        self.decisions.note(now_s, What.CONFIRM, k_values=list(sweep.confirmed))
+
+    def _stage_interim(self, now_s: float, *, since_s: float) -> None:
+        """A canary re-profile's sweep, fitted, for the engines it does not force (a key
+        whose canary is all of it has no engine to serve, and publishes none)."""
+        records = self.window.window(now_s, since_s=since_s)
+        if records is None or records.num_rows < MIN_FIT_RECORDS:
+            return
+        version = self.publisher.agent.state.newest_version + 1
+        envelope = self.fitter(records, now_s, reason="interim", version=version,
+                               half_life_s=None, tolerance=self.config.tolerance,
+                               k_values=self.k_values)
+        if envelope is not None:
+            self.publisher.stage_interim(envelope, now_s, records=records.num_rows)
+
+    def _regime_moved(self, sweep: Sweep, now_s: float) -> bool:
+        """Whether the regime moved under the re-profile, so that its confirmation ran the K
+        values a sweep of another regime pointed to: the load (median batch size) at its end
+        off the sweep's by the drift detector's coverage factor, or the first draft
+        position's acceptance in the confirmation's last run off its first run's (the same
+        K) by `LoopConfig.regime_acceptance_factor` acceptance thresholds. Compared at one K,
+        not against the sweep, because which requests a batch holds, and so what its first
+        position accepts, follows the K run over the last seconds. A switch inside the sweep
+        itself is left to the drift detector, which calls the refit's table stale against
+        its own prediction. Once per re-profile."""
+        if sweep.restarted or sweep.confirm_started_s is None:
+            return False
+        records = self.window.window(now_s, since_s=sweep.records_from_s)
+        if records is None:
+            return False
+        seconds = records.column("ts_ns").to_numpy() / 1e9
+        before = seconds < sweep.confirm_started_s
+        run_s = sweep.confirm_block_s
+        # the load from the last run's last quarter: a jump in its last seconds would not
+        # move the median of all of it
+        latest = seconds >= now_s - run_s / 4
+        batch = records.column("batch_size").to_numpy()
+        if before.sum() < 100 or latest.sum() < 50:
+            return False
+        low, high = sorted((float(np.median(batch[before])), float(np.median(batch[latest]))))
+        if high >= self.config.drift.coverage_factor * max(low, 1.0):
+            return True
+        # fewer than two runs: the first is the last
+        if self.config.regime_acceptance_factor <= 0 or now_s - sweep.confirm_started_s < 2 * run_s:
+            return False
+        first_run = ~before & (seconds < sweep.confirm_started_s + run_s)
+        started = first_position_acceptance(records, first_run)
+        ended = first_position_acceptance(records, seconds >= now_s - run_s)
+        if started is None or ended is None:
+            return False
+        low, high = sorted((started, ended))
+        bar = self.config.regime_acceptance_factor * self.config.drift.acceptance_threshold
+        return low > 0 and high / low - 1.0 >= bar
+
+    def _sweep_choice(self, now_s: float, *, since_s: float) -> int | None:
+        """The K a fit of the sweep's records puts first at the median batch size it ran
+        (no tolerance: the confirmation is centred on the fit's best, not its cheapest)."""
+        records = self.window.window(now_s, since_s=since_s)
+        if records is None or records.num_rows < MIN_FIT_RECORDS:
+            return None
+        envelope = self.fitter(records, now_s, reason="confirm", version=1, half_life_s=None,
+                               tolerance=0.0, k_values=self.k_values)
+        if envelope is None:
+            return None
+        batch = records.column("batch_size").to_numpy()
+        median = int(np.clip(np.median(batch), 1, self.limits.max_batch))
+        k = envelope.table.k_for(median)
+        return k if k in self.k_values else None

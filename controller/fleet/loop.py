@@ -87,6 +87,8 @@ class LoopState(enum.Enum):
 
 
 class ClosedLoop:
+    """One key's loop: the state it is in, when it refits, and the roles it conducts."""
+
     def __init__(self, channel: ControlChannel, limits: EngineLimits, status: StatusPublisher,
                  fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
                  current: TableEnvelope | None = None, newest_version: int = 0,
@@ -110,6 +112,7 @@ class ClosedLoop:
         self.state = LoopState.PROFILING
         self.clock_s = 0.0
         """The time of the last tick."""
+        # the module's `log` (the parameter of that name is the topic's)
         self._decisions = DecisionLog(str(limits.key), logging.getLogger(__name__))
         self.window = RecordWindow(self.config.fit_window_s)
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions)

@@ -31,6 +31,7 @@ the version it withdraws. A rollback is a new version, so a log replayed from th
 folds to the same table as one followed live."""
 
 ISSUED_BY = "tabletune-control"
+"""Who the loop's force and release controls say sent them."""
 
 
 class Publisher:

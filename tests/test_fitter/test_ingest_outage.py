@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 
-import fitter.catch_up
-import fitter.dead_letters
-import fitter.ingest
+import fitter.ingest.catch_up
+import fitter.ingest.dead_letters
+import fitter.ingest.ingestor
 from fitter.ingest import IngestConfig, Ingestor
 from tests.test_fitter.test_ingest_hardening import (
     RECORDS_PER_FRAME,
@@ -82,9 +82,9 @@ def test_a_broker_outage_under_the_loops_consumer_calls_loses_and_duplicates_not
             outage.hit("flush", KafkaTimeoutError)
             return super().flush(*args, **kwargs)
 
-    monkeypatch.setattr(fitter.ingest, "KafkaConsumer", AwayConsumer)
-    monkeypatch.setattr(fitter.catch_up, "KafkaConsumer", AwayConsumer)  # partition_bounds
-    monkeypatch.setattr(fitter.dead_letters, "KafkaProducer", AwayProducer)
+    monkeypatch.setattr(fitter.ingest.ingestor, "KafkaConsumer", AwayConsumer)
+    monkeypatch.setattr(fitter.ingest.catch_up, "KafkaConsumer", AwayConsumer)  # partition_bounds
+    monkeypatch.setattr(fitter.ingest.dead_letters, "KafkaProducer", AwayProducer)
     out = tmp_path / "parquet"
     config = IngestConfig(out_dir=out, group_id=unique_name, window_s=0.5, until_idle_s=2.0,
                           lag_wait_s=20)

@@ -15,9 +15,9 @@ import time
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from fitter.broker_errors import transient
-from fitter.ingest_config import IngestConfig
-from fitter.ingest_counters import IngestCounters
+from fitter.ingest.broker_errors import transient
+from fitter.ingest.config import IngestConfig
+from fitter.ingest.counters import IngestCounters
 from schemas.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)

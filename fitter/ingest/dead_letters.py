@@ -20,9 +20,9 @@ import pyarrow as pa
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from fitter.broker_errors import transient
 from fitter.dataset import SOURCE_OFFSET, SOURCE_PARTITION
-from fitter.ingest_counters import IngestCounters
+from fitter.ingest.broker_errors import transient
+from fitter.ingest.counters import IngestCounters
 from fitter.kafka_clients import close_producer
 from schemas import FrameError, encode_frame
 from schemas.settings import Settings

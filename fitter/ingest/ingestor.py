@@ -5,11 +5,11 @@ accumulate into a window that closes on count or age; closing one is the numbere
 of `Ingestor._commit_window` (files durable, dead letters acknowledged, then the commit). A
 crash anywhere leaves either nothing durable for the window or final files whose names say
 which offsets they may hold: the window is read again, and the partition store
-(`fitter.partition_store`) skips a record only if such a file holds the record itself.
+(`fitter.ingest.partition_store`) skips a record only if such a file holds the record itself.
 
 `Ingestor` is a facade over its roles: the partition store (files, de-duplication, the lock
-and temp files), the dead-letter writer (`fitter.dead_letters`), the rebalance listener
-(`fitter.assignment_changes`) and the batch-mode checks (`fitter.catch_up`). It keeps the
+and temp files), the dead-letter writer (`fitter.ingest.dead_letters`), the rebalance listener
+(`fitter.ingest.assignment_changes`) and the batch-mode checks (`fitter.ingest.catch_up`). It keeps the
 poll loop and the commit sequence.
 
 Rebalances: the consumer's rebalance callbacks only note that the assignment changed; the
@@ -43,19 +43,18 @@ import pyarrow as pa
 from kafka import KafkaConsumer, OffsetAndMetadata, TopicPartition
 from kafka.errors import KafkaError
 
-from fitter.assignment_changes import AssignmentChanges
-from fitter.broker_errors import REBALANCE_COMMIT_ERRORS, transient
-from fitter.catch_up import CatchUp, IngestIncomplete, partition_bounds
 from fitter.dataset import SOURCE_OFFSET, SOURCE_PARTITION
-from fitter.dead_letters import DeadLetters
-from fitter.ingest_config import IngestConfig
-from fitter.ingest_counters import IngestCounters
-from fitter.partition_store import PartitionStore
+from fitter.ingest.assignment_changes import AssignmentChanges
+from fitter.ingest.broker_errors import REBALANCE_COMMIT_ERRORS, transient
+from fitter.ingest.catch_up import CatchUp
+from fitter.ingest.config import IngestConfig
+from fitter.ingest.counters import IngestCounters
+from fitter.ingest.dead_letters import DeadLetters
+from fitter.ingest.partition_store import PartitionStore
 from schemas import FrameError, decode_frame
 from schemas.settings import Settings
 
-__all__ = ["IngestConfig", "IngestCounters", "IngestIncomplete", "Ingestor", "Stage",
-           "partition_bounds"]
+__all__ = ["Ingestor", "Stage"]
 
 log = logging.getLogger(__name__)
 

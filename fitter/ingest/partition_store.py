@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fitter.dataset import RECORD_IDENTITY, SOURCE_OFFSET, file_name, hive_path, offset_files
-from fitter.ingest_counters import IngestCounters
+from fitter.ingest.counters import IngestCounters
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from schemas.settings import SettingsError
+
 log = logging.getLogger(__name__)
 
 Source = Callable[[], dict[str, float]]
@@ -78,14 +80,30 @@ def serve_metrics(prefix: str, source: Source, labels: dict[str, str],
         text = os.environ.get("TABLETUNE_METRICS_PORT")
         if not text:
             return None
-        port = int(text)
+        port = _port_of(text)
     host = addr or os.environ.get("TABLETUNE_METRICS_ADDR") or DEFAULT_ADDR
     registry = CollectorRegistry()
     registry.register(CountersCollector(prefix, source, labels))
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise SettingsError(f"metrics port {host}:{port} (TABLETUNE_METRICS_PORT, "
+                            f"TABLETUNE_METRICS_ADDR): {exc.strerror or exc}") from None
     log.info("TableTune %s metrics on %s:%d%s", prefix, host, port,
              "" if host == DEFAULT_ADDR else " (no authentication: keep it off public networks)")
     return MetricsEndpoint(registry, host, port, server)
+
+
+def _port_of(text: str) -> int:
+    """TABLETUNE_METRICS_PORT as a port number, or an error naming the variable."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"TABLETUNE_METRICS_PORT={text!r}: expected a port number "
+                            "0..65535")
+    return port
 
 
 def engine_counters(recorder: Any, switch: Any, feed: Any) -> dict[str, float]:

@@ -96,8 +96,8 @@ class TableTuneHook:
             serve_metrics("engine", lambda: engine_counters(self._tt_recorder,
                                                             self._tt_switch, self._tt_feed),
                           {"engine_id": identity.engine_id})
-        except (OSError, ValueError):  # a taken port must not cost the engine its telemetry
-            log.exception("TableTune metrics endpoint not started")
+        except (OSError, ValueError) as exc:  # a taken port must not cost the engine its telemetry
+            log.error("TableTune metrics endpoint not started: %s", exc)
         log.info("TableTune telemetry for %s -> %s (table switch: %s)", identity.engine_id,
                  sink_url, "on" if self._tt_switch else "off, no startup table")
 

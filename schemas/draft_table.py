@@ -8,6 +8,7 @@ never has to know vLLM's gap-filling rule to know which K applies.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -46,9 +47,10 @@ class DraftTable:
         parsed: list[Range] = []
         for index, entry in enumerate(triples):
             if not isinstance(entry, list | tuple) or len(entry) != 3:
-                raise TableError(f"entry {index} is {entry!r}, expected [start, end, K]")
+                raise TableError(f"entry {index} is {reprlib.repr(entry)}, expected [start, end, K]")
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in entry):
-                raise TableError(f"entry {index} is {entry!r}, expected three integers")
+                raise TableError(f"entry {index} is {reprlib.repr(entry)}, expected three "
+                                "integers")
             parsed.append((entry[0], entry[1], entry[2]))
         return cls(tuple(parsed))
 

@@ -84,6 +84,13 @@ class TopicNames:
     status: str = "tabletune.status"
     dlq: str = "tabletune.dlq"
 
+    def __post_init__(self) -> None:
+        for name in ("telemetry", "tables", "status", "dlq"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise SettingsError(f"TABLETUNE_TOPIC_{name.upper()}={value!r}: a topic name "
+                                    "must be a non-empty string")
+
 
 @dataclass(frozen=True, slots=True)
 class KafkaSecurity:

@@ -30,6 +30,9 @@ def load_table_file(path: str | Path) -> tuple[DraftTable, TableEnvelope | None]
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TableError(f"{path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise TableError(f"{path} is not a table: its JSON nests deeper than the parser "
+                         "goes") from None
     if isinstance(data, dict):
         try:
             envelope = TableEnvelope.from_dict(data)

@@ -47,10 +47,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "binary.bin").write_bytes(bytes(range(256)) * 16)
     with open(root / "twenty-mb.json", "wb") as out:
         out.truncate(20 << 20)
+    (root / "deep.json").write_text("[" * 200_000)
     return {"envelope": str(root / "envelope.json"), "six_mb": str(root / "six-mb.json"),
             "triples": str(root / "triples.json"), "binary": str(root / "binary.bin"),
             "twenty_mb": str(root / "twenty-mb.json"), "missing": str(root / "missing.json"),
-            "dir": str(root)}
+            "deep": str(root / "deep.json"), "dir": str(root)}
 
 
 def run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
@@ -128,6 +129,14 @@ FILES = [  # (argv, the file kind, what the error line must say)
       "--duration", "1"], "binary.bin", "not a JSON text file"),
     (["twin", "static", "--trace", "{binary}"], "binary.bin", "not UTF-8 text"),
     (["bench", "--out", "{binary}", "--no-markdown"], "binary.bin", "File exists"),
+    # JSON nested past the parser's recursion limit: a RecursionError traceback before
+    (["table", "validate", "{deep}", "--max-k", "5", "--max-batch", "64"], "deep.json",
+     "nests deeper than the parser goes"),
+    (["table", "convert", "{deep}", "--to", "vllm"], "deep.json", "nests deeper"),
+    (["tables", "publish", "{deep}", "--bootstrap", "127.0.0.1:1"], "deep.json",
+     "nests deeper"),
+    (["twin", "run", "--scenario", SCENARIO, "--policy", "table:{deep}", "--duration", "1"],
+     "deep.json", "nests deeper"),
 ]
 
 

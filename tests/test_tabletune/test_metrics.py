@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from controller.engine.table_switch import TableSwitch
@@ -10,6 +11,7 @@ from producers.metrics import CountersCollector, engine_counters, serve_metrics
 from producers.recorder import StepRecorder
 from producers.sinks import FileSink
 from schemas import DraftTable
+from schemas.settings import SettingsError
 from tabletune.broker import free_port
 from tests.test_producers.test_recorder import record
 
@@ -66,3 +68,22 @@ def test_metrics_listen_on_loopback_unless_widened(monkeypatch):
         assert endpoint.server.server_address[0] == "0.0.0.0"  # noqa: S104
     finally:
         endpoint.close()
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "70000"])
+def test_a_bad_metrics_port_names_the_variable(monkeypatch, text):
+    monkeypatch.setenv("TABLETUNE_METRICS_PORT", text)
+    with pytest.raises(SettingsError, match=f"TABLETUNE_METRICS_PORT='{text}'"):
+        serve_metrics("engine", dict, {})
+
+
+def test_a_taken_metrics_port_names_the_variable_and_the_port(monkeypatch):
+    monkeypatch.delenv("TABLETUNE_METRICS_ADDR", raising=False)
+    taken = serve_metrics("engine", dict, {}, port=free_port())
+    try:
+        monkeypatch.setenv("TABLETUNE_METRICS_PORT", str(taken.port))
+        with pytest.raises(SettingsError,
+                           match=f"127.0.0.1:{taken.port} \\(TABLETUNE_METRICS_PORT"):
+            serve_metrics("engine", dict, {})
+    finally:
+        taken.close()

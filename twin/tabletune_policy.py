@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -137,8 +138,10 @@ class TabletunePolicy(Policy):
         self._recorder = engine.recorder
         engine_limits = EngineLimits(key=key, startup_k_values=frozenset(range(limits.max_k + 1)),
                                      max_batch=limits.max_num_seqs)
-        # the telemetry's clock: virtual time from the engine's epoch (0 in memory)
-        clock = lambda: clock_time(engine.epoch_s + engine.clock_s)  # noqa: E731
+        def clock() -> datetime:
+            """The telemetry's clock: virtual time from the engine's epoch (0 in memory)."""
+            return clock_time(engine.epoch_s + engine.clock_s)
+
         self.feed = EngineFeed(engine.switch, engine_limits,
                                StatusPublisher(None, limits.engine_id, str(key), history=4096),
                                clock, exploration=self.config.exploration)

@@ -10,7 +10,9 @@ began held fixed ("stale"), and the in-memory `tabletune` policy (the same Contr
 with an in-memory channel). Rates are pooled over the engines, over each phase after its
 first 2 minutes: recovery = (tabletune - stale) / (best fixed K - stale). Also the
 re-profile's canary cost: how much less the canary engine emitted than the others while it
-was forced, as a share of the fleet's output over the phase.
+was forced, as a share of the fleet's output over the phase. `whole_phase` scores the same
+from each phase's first second, against that span's own best fixed K, so that the time the
+loop takes to react is counted too.
 """
 
 from __future__ import annotations
@@ -103,45 +105,63 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
         stale = table_at(decisions, epoch_s, phase["start_s"])
         if stale is None:
             continue
-        stale_rate = sum(window_rate(run_scenario(s, StaticTable(stale[1], name="stale")),
-                                     start, end) for s in scenarios)
-        rates = {k: sum(window_rate(runs[k], start, end) for runs in fixed)
-                 for k in fixed[0]}
-        best = max(rates, key=lambda k: rates[k])
-        fleet_rate = sum(sum(r for t, r in s["timeline"] if start <= t < end)
-                         / max(1, sum(1 for t, _ in s["timeline"] if start <= t < end))
-                         for s in summaries)
-        memory_rate = sum(window_rate(run, start, end) for run in in_memory)
-        loss = rates[best] - stale_rate
+        stale_runs = [run_scenario(s, StaticTable(stale[1], name="stale")) for s in scenarios]
+        settled = _window(start, end, fixed, stale_runs, summaries, in_memory)
+        whole = _window(phase["start_s"], end, fixed, stale_runs, summaries, in_memory)
         rows.append({
             "scenario": name, "seed": seed, "phase": phase["name"], "window_s": [start, end],
             "stale_version": stale[0], "stale_table": stale[1].to_vllm(),
-            "best_fixed_k": best, "best_fixed_tok_s": round(rates[best], 1),
-            "stale_tok_s": round(stale_rate, 1), "fleet_tok_s": round(fleet_rate, 1),
-            "in_memory_tok_s": round(memory_rate, 1),
-            "stale_loss_pct": round(100 * loss / rates[best], 2),
-            "fleet_recovery": round((fleet_rate - stale_rate) / loss, 3) if loss > 0 else None,
-            "in_memory_recovery": round((memory_rate - stale_rate) / loss, 3)
-            if loss > 0 else None,
+            **{key: settled[key] for key in ("best_fixed_k", "best_fixed_tok_s", "stale_tok_s",
+                                             "fleet_tok_s", "in_memory_tok_s", "stale_loss_pct",
+                                             "fleet_recovery", "in_memory_recovery")},
             "canary": canary_cost(fleet, decisions, epoch_s, phase),
             "stale_events": sum(1 for d in decisions if d.what == "stale"),
             "versions": sorted({d.fields["version"] for d in decisions if d.what == "stage"}),
+            "whole_phase": {"window_s": [phase["start_s"], end], **whole},
         })
     return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
             "phases": rows}
 
 
+def _window(start: float, end: float, fixed: list[dict[int, Any]], stale_runs: list[Any],
+            summaries: list[dict[str, Any]], in_memory: list[Any]) -> dict[str, Any]:
+    """Rates pooled over the engines over [start, end), against that window's best fixed K."""
+    stale_rate = sum(window_rate(run, start, end) for run in stale_runs)
+    rates = {k: sum(window_rate(runs[k], start, end) for runs in fixed) for k in fixed[0]}
+    best = max(rates, key=lambda k: rates[k])
+    fleet_rate = sum(sum(r for t, r in s["timeline"] if start <= t < end)
+                     / max(1, sum(1 for t, _ in s["timeline"] if start <= t < end))
+                     for s in summaries)
+    memory_rate = sum(window_rate(run, start, end) for run in in_memory)
+    loss = rates[best] - stale_rate
+    return {
+        "best_fixed_k": best, "best_fixed_tok_s": round(rates[best], 1),
+        "stale_tok_s": round(stale_rate, 1), "fleet_tok_s": round(fleet_rate, 1),
+        "in_memory_tok_s": round(memory_rate, 1),
+        "stale_loss_pct": round(100 * loss / rates[best], 2),
+        "fleet_recovery": round((fleet_rate - stale_rate) / loss, 3) if loss > 0 else None,
+        "in_memory_recovery": round((memory_rate - stale_rate) / loss, 3) if loss > 0 else None,
+        "fleet_vs_best_fixed": round(fleet_rate / rates[best], 4),
+        "in_memory_vs_best_fixed": round(memory_rate / rates[best], 4),
+    }
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = ["| scenario | seed | phase | stale loss | fleet recovery | in-memory recovery | "
-             "canary cost (fleet output) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "canary cost (fleet output) | whole: stale loss | whole: fleet recovery | "
+             "whole: in-memory recovery | whole: fleet / best fixed K |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         for row in result["phases"]:
             canary = row["canary"]
+            whole = row["whole_phase"]
             lines.append(
                 f"| {row['scenario']} | {row['seed']} | {row['phase']} | "
                 f"{row['stale_loss_pct']}% | {row['fleet_recovery']} | "
                 f"{row['in_memory_recovery']} | "
-                f"{canary['fleet_output_lost_pct'] if canary else '-'}% |")
+                f"{canary['fleet_output_lost_pct'] if canary else '-'}% | "
+                f"{whole['stale_loss_pct']}% | {whole['fleet_recovery']} | "
+                f"{whole['in_memory_recovery']} | {whole['fleet_vs_best_fixed']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@ any statistic that would need it is `None` too, never a silently shorter average
 - oracle: at each load, the best fixed K (the per-load best fixed K);
 - best single fixed K: the one fixed K with the best mean ratio to the oracle over a grid's
   loads (a mean of ratios, so that high loads' larger token rates do not decide alone);
-- recovery after a drift: (tabletune - stale) / (best fixed K - stale) over a window.
+- recovery after a drift: (tabletune - stale) / (best fixed K - stale) over a window: the
+  phase after it settles, and the whole phase from its first second.
 """
 
 from __future__ import annotations
@@ -104,13 +105,31 @@ def drift_phase(runs: Mapping[str, Any], stale: Mapping[str, Any] | None, *, pha
     """One new phase of a drift scenario: window rates per policy, stale loss, recovery.
 
     `runs` maps a policy to its drift result (`timeline`, `phases`), `stale` is the run under
-    the table profiled before this phase; failed runs carry `error` and score None.
+    the table profiled before this phase; failed runs carry `error` and score None. The
+    top-level keys score the settled window (after `settle_s`); `whole_phase` scores the
+    same from the phase's first second, so that what the reaction costs is counted too.
     """
     spans = next((r["phases"] for r in [*runs.values(), stale or {}] if "phases" in r), None)
     if spans is None or phase >= len(spans):
         return {"phase": phase, "error": "no run reached this phase"}
     span = spans[phase]
-    start, end = span["start_s"] + settle_s, span["end_s"]
+    settled = _window_scores(runs, stale, span["start_s"] + settle_s, span["end_s"],
+                             fixed=fixed, baselines=baselines)
+    row = {"phase": phase, "name": span["name"], **settled,
+           "whole_phase": _window_scores(runs, stale, span["start_s"], span["end_s"],
+                                         fixed=fixed, baselines=baselines)}
+    if stale:
+        row["stale"] = {k: stale.get(k) for k in ("profiled_phase", "table", "table_path",
+                                                  "profile_wall_s", "profile_engine_s",
+                                                  "profile_records", "error")
+                        if k in stale}
+    return row
+
+
+def _window_scores(runs: Mapping[str, Any], stale: Mapping[str, Any] | None, start: float,
+                   end: float, *, fixed: Sequence[str],
+                   baselines: Sequence[str]) -> dict[str, Any]:
+    """Rates, best fixed K, stale loss and recovery over [start, end) of the timelines."""
 
     def rate(run: Mapping[str, Any] | None) -> float | None:
         return None if not run or "timeline" not in run else window_rate(run["timeline"],
@@ -119,8 +138,8 @@ def drift_phase(runs: Mapping[str, Any], stale: Mapping[str, Any] | None, *, pha
     rates = {policy: rate(run) for policy, run in runs.items()}
     best_policy, best = oracle(rates, fixed)
     stale_rate, tabletune = rate(stale), rates.get("tabletune")
-    row = {
-        "phase": phase, "name": span["name"], "window_s": [start, end],
+    return {
+        "window_s": [start, end],
         "best_fixed": best_policy, "best_fixed_tok_s": _round(best),
         "stale_tok_s": _round(stale_rate), "tabletune_tok_s": _round(tabletune),
         "stale_loss": _round(None if best is None or stale_rate is None
@@ -131,12 +150,6 @@ def drift_phase(runs: Mapping[str, Any], stale: Mapping[str, Any] | None, *, pha
                           for p in (*baselines, "tabletune") if p in rates},
         "tok_s": {p: _round(r) for p, r in rates.items()},
     }
-    if stale:
-        row["stale"] = {k: stale.get(k) for k in ("profiled_phase", "table", "table_path",
-                                                  "profile_wall_s", "profile_engine_s",
-                                                  "profile_records", "error")
-                        if k in stale}
-    return row
 
 
 def _round(value: float | None, digits: int = 1) -> float | None:

@@ -127,12 +127,14 @@ def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:
              "Recovery = (tabletune − stale) / (best fixed K − stale); "
              f"{DASH} where the stale table lost under {100 * MIN_STALE_LOSS:g}% (nothing to "
              "recover). Columns after recovery: ratio to "
-             "the new phase's best fixed K.", ""]
+             "the new phase's best fixed K. The whole-phase columns count the same from the "
+             "phase's first second, the reaction included, against that span's best fixed K.",
+             ""]
     rows = []
     for name, scenario in results["drift"].items():
         for row in scenario["phases"]:
             if "error" in row and "window_s" not in row:
-                rows.append([name, str(row["phase"]), row["error"], *[DASH] * (6 + len(others))])
+                rows.append([name, str(row["phase"]), row["error"], *[DASH] * (10 + len(others))])
                 continue
             stale = row.get("stale", {})
             ratios = row["vs_best_fixed"]
@@ -143,11 +145,24 @@ def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:
                 f"{_k(row['best_fixed'])} {_num(row['best_fixed_tok_s'], 0)}",
                 DASH if loss is None else f"{100 * loss:+.1f}%",
                 _num(row["tabletune_vs_best_fixed"]), _num(row["recovery"], 2),
-                *(_num(ratios.get(p)) for p in others)])
+                *(_num(ratios.get(p)) for p in others), *_whole_cells(row.get("whole_phase"))])
     lines += _table(["scenario", "new phase", "window s", "stale table",
                      "best fixed K, tok/s", "stale loss", "tabletune / best fixed",
-                     "recovery", *others], rows)
+                     "recovery", *others, "whole phase s", "whole: best fixed K, tok/s",
+                     "whole: stale loss", "whole: tabletune / best fixed", "whole: recovery"],
+                    rows)
     return lines
+
+
+def _whole_cells(whole: dict[str, Any] | None) -> list[str]:
+    """The whole-phase columns of a drift row (dashes for results written before them)."""
+    if not whole:
+        return [DASH] * 5
+    loss = whole["stale_loss"]
+    return [f"{whole['window_s'][0]:g}–{whole['window_s'][1]:g}",
+            f"{_k(whole['best_fixed'])} {_num(whole['best_fixed_tok_s'], 0)}",
+            DASH if loss is None else f"{100 * loss:+.1f}%",
+            _num(whole["tabletune_vs_best_fixed"]), _num(whole["recovery"], 2)]
 
 
 def _profile(results: dict[str, Any]) -> list[str]:

@@ -27,10 +27,21 @@ from tests.test_schemas.strategies import sample_records
 KEY = TableKey("m", "ngram", "cpu")
 
 
+THREAD_STOP_S = 10.0
+"""How long a closed producer's I/O thread may take to end on a loaded machine: it is
+stopped, not joined, by a bounded close."""
+
+
 def _producer_threads(before: set[threading.Thread]) -> list[str]:
-    """kafka-python I/O threads started since `before` and still running."""
-    return [t.name for t in set(threading.enumerate()) - before
-            if t.is_alive() and t.name.endswith("-network-thread")]
+    """kafka-python I/O threads started since `before` and still running once each has had
+    THREAD_STOP_S to end (a leaked one never ends)."""
+    deadline = time.monotonic() + THREAD_STOP_S
+    while True:
+        running = [t for t in set(threading.enumerate()) - before
+                   if t.is_alive() and t.name.endswith("-network-thread")]
+        if not running or time.monotonic() > deadline:
+            return sorted(t.name for t in running)
+        running[0].join(timeout=0.1)
 
 
 def test_close_fails_what_a_dead_broker_holds_and_stops_the_thread(capfd):

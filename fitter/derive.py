@@ -9,6 +9,10 @@ Two rules beyond the argmax, and why:
 - Among tables that keep every batch size within tolerance, the one with the fewest ranges
   wins (then the smallest K). Noise otherwise makes K flicker 3,2,3 between neighbouring batch
   sizes, which is a table nobody can read and a switch the engine makes for nothing.
+- With `merge_z` (the closed loop's tables), a K is also acceptable where the fit cannot tell
+  it from the row's best (`indistinguishable`), and among the fewest-range tables the one with
+  the least predicted loss wins: a range boundary then only stands where the data says K
+  changes there, so an A-B-A pattern needs the data to demand it.
 The envelope also carries the surface (so the controller can compare live goodput against the
 prediction) and an exploration plan (where another K most plausibly beats the chosen one).
 """
@@ -35,6 +39,16 @@ DEFAULT_MIN_PROBABILITY = 0.05
 DEFAULT_MIN_EXPECTED_GAIN = 0.002
 """Explore only where switching K could be expected to win at least 0.2% goodput."""
 FITTER_VERSION = "tabletune-fitter/1"
+DEFAULT_MERGE_Z = 1.0
+"""A K within this many standard errors of its row's best may take the row when that merges
+ranges: one standard error of the difference is where a ranking is a coin toss at 1:5."""
+MAX_MERGE_LOSS = 0.02
+"""... but never at more than this predicted loss, however uncertain the fit: a wide error far
+from the measured batch sizes must not flatten a table into one K predicted 5% worse."""
+SERVED_SHARE = 0.01
+"""A batch size that ran at least this share of the fit's steps keeps its argmax: there the
+traffic runs the table's choice and pays a merge's loss (at 16 users the suite's EAGLE
+table took K7 from the small batch sizes where K5 was measured 1.3% better)."""
 SURFACE_GRID_POINTS = 64
 """The envelope's `surface` holds at most this many batch sizes: it must stay far below the
 broker's message size while the table itself is derived at every batch size."""
@@ -52,14 +66,17 @@ def candidate_k_values(startup_k_values: Sequence[int], max_k: int) -> NDArray[n
 
 def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERANCE,
              fewest_ranges: bool = True,
-             latency: NDArray[np.float64] | None = None) -> NDArray[np.int64]:
+             latency: NDArray[np.float64] | None = None,
+             indistinct: NDArray[np.bool_] | None = None) -> NDArray[np.int64]:
     """Column index chosen per row of `goodput` (rows: batch sizes in order, columns: K ascending).
 
     A column is acceptable at a row when its goodput is within `tolerance` of the row's best;
     with `latency` (the same shape), a column left of the best is within no more than the
     best's latency premium over it (`tolerance_margins`). Without `fewest_ranges` each row
     takes its smallest acceptable K; with it, a Viterbi pass picks acceptable columns
-    minimising (number of changes, then sum of K indices).
+    minimising (number of changes, then sum of K indices). `indistinct` (the same shape, from
+    `indistinguishable`) makes its cells acceptable too and always runs the Viterbi pass,
+    with the summed relative loss against each row's best as the second criterion.
     """
     if goodput.ndim != 2 or goodput.size == 0:
         raise ValueError(f"goodput must be a non-empty (batch, K) matrix, got {goodput.shape}")
@@ -67,13 +84,28 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
         raise ValueError(f"tolerance={tolerance!r} is outside [0, 1)")
     best = goodput.max(axis=1, keepdims=True)
     acceptable = goodput >= (1.0 - tolerance_margins(goodput, tolerance, latency)) * best
-    if not fewest_ranges:
-        return acceptable.argmax(axis=1).astype(np.int64)
     n_rows, n_cols = goodput.shape
-    change_cost = n_rows * n_cols + 1  # one change outweighs any sum of K indices
-    index_cost = np.arange(n_cols, dtype=np.int64)
-    infeasible = np.iinfo(np.int64).max // 4
-    cost = np.where(acceptable[0], index_cost, infeasible)
+    if indistinct is not None:
+        if indistinct.shape != goodput.shape:
+            raise ValueError(f"indistinct {indistinct.shape} and goodput {goodput.shape} "
+                             "differ in shape")
+        acceptable |= indistinct
+        cell_cost = np.maximum(1.0 - goodput / best, 0.0)
+    elif not fewest_ranges:
+        return acceptable.argmax(axis=1).astype(np.int64)
+    else:
+        cell_cost = np.broadcast_to(np.arange(n_cols, dtype=np.float64), goodput.shape)
+    return _fewest_changes(acceptable, cell_cost)
+
+
+def _fewest_changes(acceptable: NDArray[np.bool_],
+                    cell_cost: NDArray[np.float64]) -> NDArray[np.int64]:
+    """The acceptable column per row that minimises (number of changes, then summed
+    `cell_cost`), by a Viterbi pass over the rows."""
+    n_rows, n_cols = acceptable.shape
+    change_cost = float(cell_cost.sum()) + 1.0  # one change outweighs any sum of cell costs
+    infeasible = np.inf
+    cost = np.where(acceptable[0], cell_cost[0], infeasible)
     came_from = np.zeros((n_rows, n_cols), dtype=np.int64)
     columns = np.arange(n_cols)
     for row in range(1, n_rows):
@@ -81,13 +113,27 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
         switch = cost[best_prev] + change_cost
         stay_cheaper = cost <= switch
         came_from[row] = np.where(stay_cheaper, columns, best_prev)
-        cost = np.where(stay_cheaper, cost, switch) + index_cost
+        cost = np.where(stay_cheaper, cost, switch) + cell_cost[row]
         cost = np.where(acceptable[row], cost, infeasible)
     chosen = np.zeros(n_rows, dtype=np.int64)
     chosen[-1] = int(cost.argmin())
     for row in range(n_rows - 1, 0, -1):
         chosen[row - 1] = came_from[row, chosen[row]]
     return chosen
+
+
+def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
+                      max_loss: float = MAX_MERGE_LOSS,
+                      served: NDArray[np.bool_] | None = None) -> NDArray[np.bool_]:
+    """Cells the fit cannot tell from their row's best K: a predicted loss within `z`
+    standard errors of the difference (shared parts cancelled, `log_ratio_vs`) and at most
+    `max_loss`; none in the `served` rows (where the traffic runs, the argmax stands)."""
+    if z < 0 or not 0.0 <= max_loss < 1.0:
+        raise ValueError(f"merge z={z!r} must be >= 0 and max_loss={max_loss!r} in [0, 1)")
+    best = surface.goodput_tok_s.argmax(axis=1)
+    mean, sd = surface.log_ratio_vs(best)
+    close = (mean >= -z * sd) & (mean >= np.log1p(-max_loss))
+    return close if served is None else close & ~served[:, None]
 
 
 def tolerance_margins(goodput: NDArray[np.float64], tolerance: float,
@@ -215,18 +261,22 @@ def derive_envelope(
     startup_k_values: Sequence[int],
     tolerance: float = DEFAULT_TOLERANCE,
     fewest_ranges: bool = True,
+    merge_z: float | None = None,
     min_exploration_probability: float = DEFAULT_MIN_PROBABILITY,
     created_at: str | None = None,
     provenance: Mapping[str, Any] | None = None,
 ) -> TableEnvelope:
-    """The validated table envelope for batch sizes 1..max_batch from a fitted surface."""
+    """The validated table envelope for batch sizes 1..max_batch from a fitted surface;
+    `merge_z`: merge ranges where the fit cannot tell K apart (`indistinguishable`)."""
     if max_batch > fit.max_batch:
         raise ValueError(f"max_batch {max_batch} exceeds the fit's {fit.max_batch}")
     k_values = candidate_k_values(startup_k_values, max_k)
     batch_sizes = np.arange(1, max_batch + 1)
     surface = fit.evaluate(batch_sizes, k_values)
     chosen = choose_k(surface.goodput_tok_s, tolerance=tolerance, fewest_ranges=fewest_ranges,
-                      latency=surface.latency_s)
+                      latency=surface.latency_s,
+                      indistinct=None if merge_z is None else indistinguishable(
+                          surface, merge_z, served=_served(fit, max_batch)))
     dense = [0, *(int(k) for k in k_values[chosen])]
     table = DraftTable.from_dense(dense).validate(int(k_values.max()), max_batch)
     predicted = surface.goodput_tok_s[np.arange(max_batch), chosen]
@@ -246,6 +296,7 @@ def derive_envelope(
             "ts_max_ns": fit.ts_max_ns,
             "half_life_s": fit.half_life_s,
             "tolerance": tolerance,
+            **({} if merge_z is None else {"merge_z": merge_z}),
             "max_k": max_k,
             **dict(provenance or {}),
         },
@@ -267,6 +318,7 @@ def fit_table(
     version: int,
     tolerance: float = DEFAULT_TOLERANCE,
     fewest_ranges: bool = True,
+    merge_z: float | None = None,
     half_life_s: float | None = DEFAULT_HALF_LIFE_S,
     now_ns: int | None = None,
     created_at: str | None = None,
@@ -282,8 +334,16 @@ def fit_table(
                       now_ns=now_ns, **fit_options)
     return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
                            startup_k_values=startup_k_values, tolerance=tolerance,
-                           fewest_ranges=fewest_ranges, created_at=created_at,
+                           fewest_ranges=fewest_ranges, merge_z=merge_z,
+                           created_at=created_at,
                            provenance=provenance)
+
+
+def _served(fit: SurfaceFit, max_batch: int) -> NDArray[np.bool_] | None:
+    """Batch sizes 1..max_batch that ran at least `SERVED_SHARE` of the fit's steps."""
+    if fit.batch_share is None:
+        return None
+    return fit.batch_share[:max_batch] >= SERVED_SHARE
 
 
 def _mixture(composition: CompositionModel) -> dict[str, list[float]]:

@@ -32,6 +32,7 @@ class What(enum.StrEnum):
     UNWATCHED = "unwatched"
     STAGE = "stage"
     STALE = "stale"
+    LATENCY_FORGOTTEN = "latency_forgotten"
     ROLL_BACK = "roll_back"
     KEEP = "keep"
     INCONCLUSIVE = "inconclusive"

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from controller.fleet.decisions import DecisionLog, What
+from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.validation import EngineLimits
 from schemas import TableEnvelope
 
@@ -21,11 +22,15 @@ MIN_FIT_RECORDS = 200
 
 class KeyFitter:
     def __init__(self, fit: Fit, limits: EngineLimits, fewest_ranges: bool,
-                 decisions: DecisionLog) -> None:
+                 decisions: DecisionLog, merge_z: float | None = None,
+                 knowledge: LatencyKnowledge | None = None) -> None:
         self.fit = fit
         """The fitter itself (a benchmark may wrap it after the loop is built)."""
         self.limits = limits
         self.fewest_ranges = fewest_ranges
+        self.merge_z = merge_z
+        self.knowledge = knowledge
+        """Latency remembered from earlier windows, which every fit reads beside its own."""
         self.decisions = decisions
 
     def __call__(self, records: pa.Table, now_s: float, *, reason: str, version: int,
@@ -34,12 +39,14 @@ class KeyFitter:
                  ) -> TableEnvelope | None:
         """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
         decision) when the records cannot be fitted."""
+        if self.knowledge is not None and len(self.knowledge.cells):
+            fit_options.setdefault("latency_memory", self.knowledge.cells)
         try:
             return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                             max_batch=self.limits.max_batch, startup_k_values=k_values,
                             version=version, half_life_s=half_life_s,
                             now_ns=int(now_s * 1e9), tolerance=tolerance,
-                            fewest_ranges=self.fewest_ranges,
+                            fewest_ranges=self.fewest_ranges, merge_z=self.merge_z,
                             provenance={"reason": reason, **(provenance or {})},
                             **fit_options)
         except (ValueError, np.linalg.LinAlgError) as exc:

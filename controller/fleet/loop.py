@@ -56,6 +56,7 @@ from controller.engine.agent import Mode, TableAgent
 from controller.fleet.channel import ControlChannel
 from controller.fleet.decisions import Decision, DecisionLog, What
 from controller.fleet.key_fit import MIN_FIT_RECORDS, Fit, KeyFitter
+from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, Publisher
 from controller.fleet.record_window import RecordWindow
@@ -72,6 +73,9 @@ __all__ = ["CHOSEN_AMONG_K", "OPERATOR_ACTIONS", "ClosedLoop", "Fit", "LoopState
 log = logging.getLogger(__name__)
 """Every decision is logged here at INFO (`tabletune control` prints and files them)."""
 
+SWEEP_REASONS = frozenset({"profile", "stale"})
+"""The refits at a sweep's end: their records hold every K at the sweep's load, which the
+latency knowledge keeps."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -115,7 +119,10 @@ class ClosedLoop:
         # the module's `log` (the parameter of that name is the topic's)
         self._decisions = DecisionLog(str(limits.key), logging.getLogger(__name__))
         self.window = RecordWindow(self.config.fit_window_s)
-        self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions)
+        self.knowledge = LatencyKnowledge()
+        """Every step time the loop's fits have seen: a load that returns is measured."""
+        self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
+                                self.config.merge_z, self.knowledge)
         self.publisher = Publisher(channel, self.agent, limits, startup_table, self.guardrail,
                                    self.drift, self._decisions)
         self.planner = SweepPlanner(self.config, limits, self.window, self.fitter,
@@ -281,10 +288,24 @@ class ClosedLoop:
         self._decisions.note(now_s, What.STALE, **report.fields())
         self.guardrail.reset_baseline()
         self.window.data_since_s = now_s
+        if report.signal == "latency":
+            self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
             self._start_reprofile(now_s)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _forget_if_moved(self, now_s: float) -> None:
+        """After a latency drift: if the drift window's steps ran off the remembered cells
+        of the same shape by the latency threshold, the engine's step times moved (a new
+        build, other hardware) and what was measured before is forgotten. Without shared
+        cells the drift is at a load never measured: the extrapolation missed."""
+        recent = self.window.window(now_s, since_s=now_s - self.config.drift.window_s)
+        moved = self.knowledge.shift(recent)
+        if moved is not None and abs(moved[0]) >= self.config.drift.latency_threshold:
+            cells = self.knowledge.forget()
+            self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
+                                 steps=moved[1], cells=cells)
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False) -> None:
         self._follow_up_s = None  # the re-profile's own refit schedules the next one
@@ -348,6 +369,8 @@ class ClosedLoop:
                                tolerance=cfg.tolerance, k_values=k_values or self.k_values,
                                provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {},
                                **fit_options)
+        if reason in SWEEP_REASONS:
+            self.knowledge.learn(records)
         if envelope is None:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)
@@ -361,6 +384,9 @@ class ClosedLoop:
         if not force and (gain < min_gain or gain < gain_z * stderr):
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
+        measured = self.knowledge.batch_range()
+        if measured is not None:  # the fit priced those batch sizes as measured too
+            low, high = min(low, measured[0]), max(high, measured[1])
         self.publisher.fitted_range = (max(low, 1), max(high, 1))
         self.publisher.fitted_steps = (version, StepColumns.from_records(records))
         vetted = (k_values is not None and steps_since_s is not None

@@ -62,7 +62,12 @@ class LoopConfig:
     """Derivation tolerance: 0 takes the argmax K (one fleet at one load has the data for
     it)."""
     fewest_ranges: bool = False
-    """Off: no fewest-ranges pass, which stretched ranges over the running batch size."""
+    """Off: no fewest-ranges pass within `tolerance`, which stretched ranges over the running
+    batch size."""
+    merge_z: float = 1.0
+    """Ranges merge where the fit cannot tell K apart by this many standard errors, except at
+    the batch sizes the traffic ran (`fitter.derive.SERVED_SHARE`, `MAX_MERGE_LOSS`); 0 =
+    argmax per batch size."""
     min_gain: float = 0.01
     """A periodic refit is published only above this predicted gain ..."""
     gain_z: float = 2.0
@@ -85,6 +90,7 @@ class LoopConfig:
             reprofile_settle_s=at_least(0), reprofile_block_s=positive(),
             confirm_block_s=at_least(0), regime_acceptance_factor=at_least(0),
             fit_window_s=positive(), half_life_s=above(0).or_none(), tolerance=at_least(0),
+            merge_z=at_least(0),
             min_gain=at_least(0), gain_z=at_least(0), follow_up_s=at_least(0),
             follow_up_min_gain=at_least(0), watch_hold_s=at_least(0),
             rollback_cooldown_s=at_least(0),

@@ -33,6 +33,7 @@ from fitter.surface.goodput import (
     evaluate_surface,
 )
 from fitter.surface.latency import StepLatencyModel
+from fitter.surface.latency_memory import LatencyCells, cell_keys
 from fitter.surface.share import DraftShareModel
 from fitter.surface.spread import RequestSpreadTest
 from fitter.surface.telemetry import to_frame
@@ -77,6 +78,9 @@ class SurfaceFit:
     request_spread: RequestSpreadTest | None = None
     """The test of whether requests accept differently (`fitter.surface.spread`), which
     switches `composition` and `request_context` on; None without a request ledger."""
+    batch_share: NDArray[np.float64] | None = None
+    """Share of the fit's (recency-weighted) steps at batch sizes 1..max_batch: where the
+    traffic it was fitted on ran."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -106,6 +110,7 @@ def fit_surface(
     batch_composition: bool = True,
     request_context: bool = True,
     steps_since_ns: int | None = None,
+    latency_memory: LatencyCells | None = None,
 ) -> SurfaceFit:
     """Fit latency on aggregated cells of all steps, acceptance and the share of requests
     that draft on drafting steps.
@@ -122,6 +127,8 @@ def fit_surface(
     `steps_since_ns`: the step models take only the steps from then on, the request test and
     context every finished request in `records` (a re-profile's steady runs for the former,
     all of its requests for the latter: which requests a batch holds is a question of many).
+    `latency_memory`: latency cells measured before (`fitter.surface.latency_memory`); the
+    latency model fits those whose shape `records` did not measure beside its own.
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -142,11 +149,16 @@ def fit_surface(
     features = surface_features(frame, requests, n_positions=n_positions, max_batch=max_batch,
                                 half_life_s=half_life_s, now_ns=now_ns)
 
-    cell_weight = features.latency_weight
-    keep = (cell_weight > 0) & (features.latency_y > 0)
+    cell_X, cell_y, cell_weight = features.latency_X, features.latency_y, features.latency_weight
+    if latency_memory is not None and len(latency_memory):
+        recalled = latency_memory.without(cell_keys(cell_X))
+        cell_X = np.vstack([cell_X, recalled.X])
+        cell_y = np.concatenate([cell_y, recalled.y])
+        cell_weight = np.concatenate([cell_weight, recalled.weight])
+    keep = (cell_weight > 0) & (cell_y > 0)
     saturated = cell_weight[keep] / (cell_weight[keep] + cell_saturation)
     latency = clone(latency_model) if latency_model is not None else StepLatencyModel()
-    latency.fit(features.latency_X[keep], features.latency_y[keep], sample_weight=saturated)
+    latency.fit(cell_X[keep], cell_y[keep], sample_weight=saturated)
 
     acceptance.fit(features.acceptance_X)
 
@@ -175,7 +187,16 @@ def fit_surface(
                          if request_context and identified
                          and np.unique(ledger[:, 0]).size >= MIN_CONTEXT_REQUESTS else None),
         request_spread=spread,
+        batch_share=_batch_share(features, max_batch),
     )
+
+
+def _batch_share(features: SurfaceFeatures, max_batch: int) -> NDArray[np.float64]:
+    """Recency-weighted share of the steps at each batch size 1..max_batch."""
+    batch = np.clip(features.steps["batch_size"].to_numpy(), 1, max_batch)
+    counts = np.bincount(batch - 1, weights=features.weights, minlength=max_batch)
+    total = counts.sum()
+    return counts / total if total > 0 else counts
 
 
 def _fit_composition(features: SurfaceFeatures, acceptance: AcceptanceModel,

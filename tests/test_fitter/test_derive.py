@@ -6,7 +6,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from fitter.derive import candidate_k_values, choose_k, derive_envelope, fit_table
+from fitter.derive import (
+    candidate_k_values,
+    choose_k,
+    derive_envelope,
+    fit_table,
+    indistinguishable,
+)
 from fitter.surface.fit import SurfaceFit, fit_surface
 from fitter.surface.synthetic import (
     H100_EAGLE,
@@ -219,3 +225,50 @@ def test_partial_drafting_does_not_inflate_k(partial_draft_records: pa.Table) ->
     regret = 1.0 - truth[np.arange(MAX_BATCH), chosen] / truth.max(axis=1)
     assert regret.max() < 0.02, envelope.table.to_vllm()
     assert envelope.surface["draft_share"] == pytest.approx(NGRAM_SHARE, abs=0.01)
+
+
+def test_a_flicker_the_fit_cannot_resolve_is_merged() -> None:
+    """K index 1 and 2 alternate as best by 1% where the fit cannot tell them apart: one
+    range; where it can (a 10% step at row 6), the change stays."""
+    goodput = np.array([[100.0, 110.0, 111.0], [100.0, 111.0, 110.0]] * 3
+                       + [[100.0, 120.0, 108.0]] * 2)
+    argmax = choose_k(goodput, tolerance=0.0, fewest_ranges=False)
+    assert list(argmax) == [2, 1, 2, 1, 2, 1, 1, 1]
+    indistinct = np.zeros(goodput.shape, dtype=bool)
+    indistinct[:6, 1:] = True  # rows 0-5: K index 1 and 2 within the fit's error
+    merged = choose_k(goodput, tolerance=0.0, fewest_ranges=False, indistinct=indistinct)
+    assert list(merged) == [1] * 8
+    indistinct[:] = False  # a fit that tells them apart keeps the flicker: the data demands it
+    kept = choose_k(goodput, tolerance=0.0, fewest_ranges=False, indistinct=indistinct)
+    assert list(kept) == list(argmax)
+
+
+def test_merging_spares_the_batch_sizes_the_traffic_ran(all_k_fit: SurfaceFit) -> None:
+    surface = all_k_fit.evaluate(np.arange(1, MAX_BATCH + 1), np.arange(MAX_K + 1))
+    loose = indistinguishable(surface, z=3.0, max_loss=0.5)
+    row = int(np.flatnonzero(loose.sum(axis=1) > 1)[0])  # a batch size with a choice
+    served = np.zeros(MAX_BATCH, dtype=bool)
+    served[row] = True
+    spared = indistinguishable(surface, z=3.0, max_loss=0.5, served=served)
+    assert spared[row].sum() == 0
+    assert (spared[~served] == loose[~served]).all()
+    best = surface.goodput_tok_s.argmax(axis=1)
+    assert loose[np.arange(MAX_BATCH), best].all()  # the best is never excluded
+    with pytest.raises(ValueError, match="merge z"):
+        indistinguishable(surface, z=-1.0)
+
+
+def test_loop_tables_have_no_more_ranges_than_the_fit_supports(all_k_fit: SurfaceFit) -> None:
+    plain = derive_envelope(all_k_fit, key=KEY, version=1, max_k=MAX_K, max_batch=MAX_BATCH,
+                            startup_k_values=range(MAX_K + 1), tolerance=0.0,
+                            fewest_ranges=False)
+    merged = derive_envelope(all_k_fit, key=KEY, version=1, max_k=MAX_K, max_batch=MAX_BATCH,
+                             startup_k_values=range(MAX_K + 1), tolerance=0.0,
+                             fewest_ranges=False, merge_z=1.0)
+    assert len(merged.table.ranges) <= len(plain.table.ranges)
+    assert merged.provenance["merge_z"] == 1.0
+    assert _ranges_are_fewest(merged)
+    truth = {b: _true_goodput(np.array([b]), np.array([merged.table.k_for(b)]))[0]
+             / _true_goodput(np.full(MAX_K + 1, b), np.arange(MAX_K + 1)).max()
+             for b in KNOWN_BEST_K}
+    assert min(truth.values()) > 0.97, truth

@@ -1,0 +1,62 @@
+"""One key's latency knowledge: the step times its sweeps measured, kept across fits.
+
+The fit window forgets a load a few minutes after it ends; the engine's step times at that
+load stay true. The loop learns the latency cells of every (re-)profile sweep (every K at
+the load it ran), and its fits read them beside their window
+(`fitter.surface.latency_memory`), so a load that comes back is priced as measured, not
+extrapolated, and needs no re-profile. The knowledge is dropped only on evidence that the
+latency itself moved: after a latency drift, recent steps that take longer or shorter than
+the remembered cells of the same shape, by the drift detector's latency threshold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from fitter.surface.latency_memory import LatencyCells
+
+MIN_SHIFT_STEPS = 200
+"""Steps in cells shared with the knowledge before a shift is read from them: the latency
+drift detector's own minimum of steps."""
+
+
+class LatencyKnowledge:
+    def __init__(self) -> None:
+        self.cells = LatencyCells.empty()
+
+    def learn(self, records: pa.Table | None) -> None:
+        """Remember the latency cells of `records` (a sweep's steps)."""
+        if records is not None and records.num_rows:
+            self.cells = self.cells.merged(LatencyCells.from_records(records))
+
+    def forget(self) -> int:
+        """Drop everything (the latency moved); the number of cells dropped."""
+        dropped = len(self.cells)
+        self.cells = LatencyCells.empty()
+        return dropped
+
+    def shift(self, records: pa.Table | None) -> tuple[float, int] | None:
+        """How much slower `records`' steps ran than the remembered cells of the same shape
+        (the step-weighted median of the log ratio, as a relative change) and over how many
+        steps; None with fewer than `MIN_SHIFT_STEPS` steps in shared cells."""
+        if records is None or not records.num_rows or not len(self.cells):
+            return None
+        recent = LatencyCells.from_records(records)
+        keys, first = np.unique(self.cells.keys(), return_index=True)
+        at = np.searchsorted(keys, recent.keys())
+        shared = (at < keys.size) & (keys[np.minimum(at, keys.size - 1)] == recent.keys())
+        if not shared.any():
+            return None
+        remembered = first[at[shared]]
+        steps = np.minimum(recent.weight[shared], self.cells.weight[remembered])
+        if steps.sum() < MIN_SHIFT_STEPS:
+            return None
+        log_ratio = np.log(recent.y[shared] / self.cells.y[remembered])
+        order = np.argsort(log_ratio)
+        cumulative = np.cumsum(steps[order])
+        median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
+        return float(np.expm1(median)), int(steps.sum())
+
+    def batch_range(self) -> tuple[int, int] | None:
+        return self.cells.batch_range()

@@ -1,0 +1,75 @@
+"""Latency remembered across fits: a load measured before is priced as measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from fitter.surface.fit import fit_surface
+from fitter.surface.latency import decode_matrix
+from fitter.surface.latency_memory import LatencyCells
+from fitter.surface.synthetic import H100_EAGLE, make_step_records
+from tests.test_fitter.conftest import MAX_BATCH, MAX_K
+
+CONTEXT = 512.0
+
+
+def _at_batch(records: pa.Table, low: int, high: int) -> pa.Table:
+    batch = records.column("batch_size")
+    return records.filter(pc.and_(pc.greater_equal(batch, low), pc.less_equal(batch, high)))
+
+
+def _records(seed: int, low: int, high: int, start_s: int = 0) -> pa.Table:
+    return _at_batch(make_step_records(60_000, seed=seed, max_batch=MAX_BATCH,
+                                       context_tokens=CONTEXT,
+                                       start_ns=1_700_000_000_000_000_000 + start_s * 10**9),
+                     low, high)
+
+
+def _error_at(fit, batch: int) -> float:
+    """Worst relative latency error over K at `batch`, against the cost model's truth."""
+    k = np.arange(MAX_K + 1)
+    b = np.full(k.size, batch)
+    predicted = fit.latency.predict(decode_matrix(b, k, CONTEXT))
+    return float(np.max(np.abs(predicted / H100_EAGLE.decode_latency_s(b, k, CONTEXT) - 1)))
+
+
+def test_a_remembered_load_is_priced_as_measured() -> None:
+    # one batch size, as a closed loop at one load runs: alone, the fit cannot tell what a
+    # request costs from what a step costs, and its extrapolation to 128 is far off
+    small, large = _records(1, 16, 16), _records(2, 120, 136)
+    alone = fit_surface(small, max_k=MAX_K, max_batch=MAX_BATCH, half_life_s=None)
+    memory = LatencyCells.from_records(large)
+    recalled = fit_surface(small, max_k=MAX_K, max_batch=MAX_BATCH, half_life_s=None,
+                           latency_memory=memory)
+    assert _error_at(alone, 128) > 0.2
+    assert _error_at(recalled, 128) < 0.03
+    assert _error_at(recalled, 16) < 0.03  # the window's own load stays right
+    # acceptance is the window's alone: the memory carries step times, not acceptance
+    np.testing.assert_allclose(recalled.acceptance.conditional_, alone.acceptance.conditional_)
+
+
+def test_cells_measured_again_replace_the_old() -> None:
+    old = LatencyCells.from_records(_records(3, 12, 20))
+    slower = _records(4, 12, 20)
+    slower = slower.set_column(slower.schema.get_field_index("step_latency_s"),
+                               "step_latency_s",
+                               pc.multiply(slower.column("step_latency_s"), 1.5))
+    new = LatencyCells.from_records(slower)
+    merged = old.merged(new)
+    assert len(merged) == len(np.unique(merged.keys()))
+    shared = np.isin(merged.keys(), new.keys())
+    assert shared.sum() == len(new)
+    by_key = dict(zip(new.keys().tolist(), new.y.tolist(), strict=True))
+    assert all(by_key[key] == y for key, y in
+               zip(merged.keys()[shared].tolist(), merged.y[shared].tolist(), strict=True))
+    assert merged.batch_range() == (12, 20)
+
+
+def test_the_memory_is_bounded_oldest_first() -> None:
+    first = LatencyCells.from_records(_records(5, 1, 8))
+    second = LatencyCells.from_records(_records(6, 100, 140, start_s=3600))
+    merged = first.merged(second, max_cells=len(second) + 3)
+    assert len(merged) == len(second) + 3
+    assert np.isin(second.keys(), merged.keys()).all()

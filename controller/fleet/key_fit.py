@@ -1,4 +1,5 @@
-"""The fitter as the closed loop calls it: on one key's records, within the key's limits."""
+"""The fitter as the closed loop calls it: on one key's records, within the key's limits,
+none of a step sent in two different records (`ConflictWatch`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import DecisionLog, What
 from controller.validation import EngineLimits
 from schemas import TableEnvelope
@@ -21,12 +23,14 @@ MIN_FIT_RECORDS = 200
 
 class KeyFitter:
     def __init__(self, fit: Fit, limits: EngineLimits, fewest_ranges: bool,
-                 decisions: DecisionLog) -> None:
+                 decisions: DecisionLog, conflicts: ConflictWatch) -> None:
         self.fit = fit
         """The fitter itself (a benchmark may wrap it after the loop is built)."""
         self.limits = limits
         self.fewest_ranges = fewest_ranges
         self.decisions = decisions
+        self.conflicts = conflicts
+        """Leaves conflicting steps out of every fit, counting and reporting them."""
 
     def __call__(self, records: pa.Table, now_s: float, *, reason: str, version: int,
                  half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
@@ -34,6 +38,7 @@ class KeyFitter:
                  ) -> TableEnvelope | None:
         """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
         decision) when the records cannot be fitted."""
+        records = self.conflicts.screen(records)
         try:
             return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                             max_batch=self.limits.max_batch, startup_k_values=k_values,

@@ -87,9 +87,7 @@ class StepConflicts:
 def drop_conflicts(records: Frame) -> tuple[Frame, StepConflicts]:
     """`records` with exact copies of a step dropped to the first and every copy of a
     conflicting step dropped (what went is in the `StepConflicts`); order kept."""
-    frame = records if isinstance(records, pl.DataFrame) else as_frame(
-        records, columns=STEP_RECORD_SCHEMA.names)
-    keep, conflicts = find_conflicts(frame)
+    keep, conflicts = find_conflicts(records)
     if keep is None:
         return records, conflicts
     if isinstance(records, pa.Table):
@@ -97,16 +95,19 @@ def drop_conflicts(records: Frame) -> tuple[Frame, StepConflicts]:
     return records.filter(pl.Series(keep)), conflicts
 
 
-def find_conflicts(frame: pl.DataFrame) -> tuple[NDArray[np.bool_] | None, StepConflicts]:
-    """Which rows of `frame` to keep (None: all of them) and the conflicting steps.
+def find_conflicts(records: pa.Table | pl.DataFrame,
+                   ) -> tuple[NDArray[np.bool_] | None, StepConflicts]:
+    """Which rows of `records` to keep (None: all of them) and the conflicting steps.
 
-    Content is every step-record field `frame` has; other columns (where ingest stored the
+    Content is every step-record field `records` has; other columns (where ingest stored the
     row: `source_partition`, `source_offset`) are not the step's, so a frame stored twice is
-    still a duplicate."""
+    still a duplicate. Arrow converts only the key until a key repeats."""
     key = list(STEP_KEY)
-    repeated = frame.select(pl.struct(key).is_duplicated()).to_series().to_numpy()
+    repeated = (as_frame(records, columns=key).select(pl.struct(key).is_duplicated())
+                .to_series().to_numpy())
     if not repeated.any():
         return None, StepConflicts()
+    frame = as_frame(records, columns=STEP_RECORD_SCHEMA.names)
     content = [name for name in STEP_RECORD_SCHEMA.names if name in frame.columns]
     by_step = (frame.with_row_index(_ROW).filter(pl.Series(repeated))
                .with_columns(pl.struct(content).hash().alias(_CONTENT))

@@ -86,7 +86,9 @@ def refit_once(job: RefitJob, *, stale: bool = False,
     records = dataset.records
     if records.height == 0:
         raise ValueError(f"no telemetry under {job.parquet}"
-                         + (f" within the last {job.since}" if job.since else ""))
+                         + (f" within the last {job.since}" if job.since else "")
+                         + (f" but {len(dataset.conflicts)} steps stored in two different "
+                            "records, left out" if len(dataset.conflicts) else ""))
     key = job.key or key_from_records(records)
     current: TableEnvelope | None = None
     newest = 0

@@ -12,6 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import pytest
 
 from fitter.dataset import SOURCE_OFFSET, SOURCE_PARTITION, file_name, hive_path, load_dataset
 from fitter.refit import decide_refit
@@ -144,3 +145,11 @@ def test_forged_copies_that_sort_first_do_not_replace_the_honest_rows(tmp_path, 
                         "engine_count": 2}
     assert outcome.decision.envelope.provenance["conflicts"] == reported
     assert outcome.records == untouched.num_rows
+
+
+def test_a_dataset_of_nothing_but_conflicts_fails_naming_them(tmp_path):
+    honest = honest_records().slice(0, 2_000)
+    _write(tmp_path, forge(honest), 0)
+    _write(tmp_path, honest, honest.num_rows)
+    with pytest.raises(ValueError, match="but 2000 steps stored in two different records"):
+        refit_once(RefitJob(parquet=tmp_path))

@@ -20,7 +20,8 @@ from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("applied", "rejected", "rolled_back", "stale", "started", "forced", "released")
+EVENTS = ("applied", "rejected", "rolled_back", "stale", "started", "forced", "released",
+          "conflict")
 
 
 class StatusPublisher:

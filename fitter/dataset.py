@@ -18,6 +18,10 @@ A file that is not readable Parquet, or not step records (a column missing or of
 kind), is skipped with a warning and listed (`Dataset.skipped`), or refused by name with
 `strict`: one corrupt or foreign file must neither stop a fit of all the others nor feed it
 nulls ("cannot convert float NaN to integer").
+
+Copies of one step (engine_id, step_seq) are read as `fitter.step_conflicts` says: identical
+ones once, differing ones not at all, counted (`Dataset.conflicts`) and logged. Which file
+sorts first then decides nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import logging
 import os
 import re
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fitter.step_conflicts import StepConflicts, drop_conflicts
 from schemas import STEP_RECORD_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,8 @@ class Dataset:
     records: pl.DataFrame
     skipped: tuple[SkippedFile, ...] = ()
     """Files left out, each with why (not Parquet, not step records)."""
+    conflicts: StepConflicts = field(default_factory=StepConflicts)
+    """Steps stored in two or more different records: every copy left out."""
 
 
 def hive_path(model: str, drafter: str, hardware: str, date: str, hour: int) -> str:
@@ -102,18 +109,21 @@ def offset_files(folder: str | os.PathLike[str], topic: str, partition: int
 
 def read_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = None,
                  now: dt.datetime | None = None) -> pl.DataFrame:
-    """All step records under `root`, deduplicated on (engine_id, step_seq); files that are
-    not telemetry are skipped with a warning (`load_dataset` lists them)."""
+    """All step records under `root`, one per (engine_id, step_seq), none of a step stored
+    in two different records; files that are not telemetry are skipped with a warning
+    (`load_dataset` lists them, and the conflicting steps)."""
     return load_dataset(root, since=since, now=now).records
 
 
 def load_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = None,
                  now: dt.datetime | None = None, strict: bool = False) -> Dataset:
-    """All step records under `root`, deduplicated on (engine_id, step_seq), and the files
-    left out; with `strict`, DatasetError names the first file that is not telemetry.
+    """All step records under `root`, one per (engine_id, step_seq), and what was left out:
+    files, and steps stored in two different records (`fitter.step_conflicts`); with
+    `strict`, DatasetError names the first file that is not telemetry.
 
-    Dedupe is the second defence against duplicates (producer retries re-send frames).
-    `since` keeps records whose ts_ns is within that window of `now` (UTC).
+    Dropping exact copies is the second defence against duplicates (producer retries re-send
+    frames). `since` keeps records whose ts_ns is within that window of `now` (UTC);
+    conflicts are found among those.
     """
     files = sorted(Path(root).rglob("*.parquet"))
     if not files:
@@ -140,7 +150,12 @@ def load_dataset(root: str | os.PathLike[str], *, since: dt.timedelta | None = N
         records = _read(columns, since, now, root, skipped)
     for file in skipped:
         log.warning("skipped %s: %s", file.path, file.reason)
-    return Dataset(records, tuple(skipped))
+    records, conflicts = drop_conflicts(records)
+    if len(conflicts):
+        log.warning("left out %d steps stored in two or more different records (%d rows), "
+                    "by engine id: %s", len(conflicts), conflicts.records,
+                    conflicts.to_dict()["engines"])
+    return Dataset(records.sort(["engine_id", "step_seq"]), tuple(skipped), conflicts)
 
 
 def _check_file(path: Path) -> tuple[tuple[str, ...], str | None]:
@@ -208,8 +223,7 @@ def _read(columns: dict[Path, tuple[str, ...]], since: dt.timedelta | None,
     if since is not None:
         cutoff = (now or dt.datetime.now(dt.UTC)) - since
         frame = frame.filter(pl.col("ts_ns") >= int(cutoff.timestamp() * 1e9))
-    return (frame.unique(subset=["engine_id", "step_seq"], keep="first", maintain_order=True)
-            .sort(["engine_id", "step_seq"]).collect())
+    return frame.collect()
 
 
 def escape(value: str) -> str:

@@ -157,6 +157,8 @@ class StepRecorder:
         self._full: deque[_RowBuffer] = deque()
         self._deferred: deque[tuple[StepBuilder, Any]] = deque()
         self._buffer = self._new_buffer()
+        self.first_step_seq = first_step_seq
+        """The step_seq of this recorder's first step (the next ones count up from it)."""
         self._next_seq = first_step_seq
         self.records_total = 0
         self.records_dropped = 0

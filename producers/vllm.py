@@ -34,6 +34,14 @@ from schemas.settings import Settings, SettingsError
 log = logging.getLogger(__name__)
 
 
+def first_step_seq() -> int:
+    """Where this engine process numbers its steps from: the start time in microseconds. An
+    engine restarted under its old id (a pod's name, a fixed TABLETUNE_ENGINE_ID) then never
+    numbers a step over one of its earlier run's, which the fitter would read as two
+    different records for one step (a conflict) and keep out of every fit."""
+    return time.time_ns() // 1000
+
+
 class TableTuneHook:
     """Mixin over vLLM's scheduler; state lives in `_tt_*` attributes to avoid clashes."""
 
@@ -81,7 +89,8 @@ class TableTuneHook:
             if follow:
                 from controller.engine.watch import TapSink
                 sink = tap = TapSink(sink)
-            self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1))
+            self._tt_recorder = StepRecorder(identity, sink, max_k=max(max_k, 1),
+                                             first_step_seq=first_step_seq())
         else:
             log.warning("TableTune attached without TABLETUNE_SINK or TABLETUNE_BOOTSTRAP: "
                         "no telemetry is recorded")

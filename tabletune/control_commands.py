@@ -60,7 +60,8 @@ def run_control_service(args: argparse.Namespace) -> int:
             loop_log.removeHandler(writer)
             writer.close()
     served = {str(loop.limits.key): {"state": loop.state.value,
-                                     "version": loop.agent.state.newest_version}
+                                     "version": loop.agent.state.newest_version,
+                                     "conflicting_steps": loop.conflicts.to_dict()}
               for loop in runner.service.loops()}
     print(json.dumps({"records": runner.records, "history_records": runner.history_records,
                       "unserved_records": runner.service.unserved_records,

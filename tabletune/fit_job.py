@@ -2,7 +2,9 @@
 
 One refit = read the dataset (optionally only the last `since`), find the current envelope
 (the newest version on the tables topic for the key, or a file), `decide_refit`, write the
-candidate to `out`, publish it when the decision says so. `watch` repeats that every period
+candidate to `out`, publish it when the decision says so. Steps the dataset holds in two
+different records are left out by the reader and counted in the outcome's `conflicts` and
+the candidate's `provenance.conflicts`. `watch` repeats that every period
 and at once when a controller reports the key's table `stale` on the status topic.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from controller.fleet.table_log import publish, read_log
 from fitter.dataset import SkippedFile, load_dataset
 from fitter.refit import DEFAULT_THRESHOLD, RefitDecision, decide_refit, key_from_records
+from fitter.step_conflicts import StepConflicts
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S
 from schemas import TableEnvelope, TableKey
 from schemas.settings import Settings
@@ -57,10 +60,13 @@ class RefitOutcome:
     """Where the envelope was published (None: not published)."""
     skipped_files: tuple[SkippedFile, ...] = ()
     """Parquet files left out of the fit, each with why."""
+    conflicts: StepConflicts = dataclasses.field(default_factory=StepConflicts)
+    """Steps stored in two or more different records, every copy left out of the fit."""
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.decision.to_dict(), "records": self.records, "offset": self.offset,
-                "skipped_files": [skipped.to_dict() for skipped in self.skipped_files]}
+                "skipped_files": [skipped.to_dict() for skipped in self.skipped_files],
+                "conflicts": self.conflicts.to_dict()}
 
 
 def current_envelope(settings: Settings, key: TableKey) -> tuple[TableEnvelope | None, int]:
@@ -80,7 +86,9 @@ def refit_once(job: RefitJob, *, stale: bool = False,
     records = dataset.records
     if records.height == 0:
         raise ValueError(f"no telemetry under {job.parquet}"
-                         + (f" within the last {job.since}" if job.since else ""))
+                         + (f" within the last {job.since}" if job.since else "")
+                         + (f" but {len(dataset.conflicts)} steps stored in two different "
+                            "records, left out" if len(dataset.conflicts) else ""))
     key = job.key or key_from_records(records)
     current: TableEnvelope | None = None
     newest = 0
@@ -92,13 +100,16 @@ def refit_once(job: RefitJob, *, stale: bool = False,
         newest = current.version
     elif job.settings is not None and job.settings.bootstrap_servers:
         current, newest = current_envelope(job.settings, key)
+    conflicts = dataset.conflicts
     decision = decide_refit(records, current, key=key, max_k=job.max_k,
                             max_batch=job.max_batch, startup_k_values=job.startup_k_values,
                             newest_version=newest, threshold=job.threshold, stale=stale,
                             half_life_s=job.half_life_s,
                             provenance={"parquet": str(job.parquet),
                                         "since_s": job.since.total_seconds()
-                                        if job.since else None})
+                                        if job.since else None,
+                                        **({"conflicts": conflicts.to_dict()}
+                                           if len(conflicts) else {})})
     if job.out is not None:
         job.out.parent.mkdir(parents=True, exist_ok=True)
         job.out.write_text(json.dumps(decision.envelope.to_dict(), indent=2, sort_keys=True)
@@ -110,4 +121,4 @@ def refit_once(job: RefitJob, *, stale: bool = False,
         offset = publish(job.settings, decision.envelope)
         log.info("published %s version %d at offset %d (%s)", key,
                  decision.envelope.version, offset, decision.reason)
-    return RefitOutcome(decision, records.height, offset, dataset.skipped)
+    return RefitOutcome(decision, records.height, offset, dataset.skipped, conflicts)

@@ -1,4 +1,5 @@
-"""The fitter as the closed loop calls it: on one key's records, within the key's limits."""
+"""The fitter as the closed loop calls it: on one key's records, within the key's limits,
+none of a step sent in two different records (`ConflictWatch`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import DecisionLog, What
 from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.validation import EngineLimits
@@ -22,7 +24,8 @@ MIN_FIT_RECORDS = 200
 
 class KeyFitter:
     def __init__(self, fit: Fit, limits: EngineLimits, fewest_ranges: bool,
-                 decisions: DecisionLog, merge_z: float | None = None,
+                 decisions: DecisionLog, conflicts: ConflictWatch,
+                 merge_z: float | None = None,
                  knowledge: LatencyKnowledge | None = None) -> None:
         self.fit = fit
         """The fitter itself (a benchmark may wrap it after the loop is built)."""
@@ -32,6 +35,8 @@ class KeyFitter:
         self.knowledge = knowledge
         """Latency remembered from earlier windows, which every fit reads beside its own."""
         self.decisions = decisions
+        self.conflicts = conflicts
+        """Leaves conflicting steps out of every fit, counting and reporting them."""
 
     def __call__(self, records: pa.Table, now_s: float, *, reason: str, version: int,
                  half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
@@ -39,6 +44,7 @@ class KeyFitter:
                  ) -> TableEnvelope | None:
         """The fitter on `records`, choosing among `k_values`; None (and a `fit_failed`
         decision) when the records cannot be fitted."""
+        records = self.conflicts.screen(records)
         if self.knowledge is not None and len(self.knowledge.cells):
             fit_options.setdefault("latency_memory", self.knowledge.cells)
         try:

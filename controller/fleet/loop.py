@@ -11,8 +11,9 @@ any speed; every wait is a deadline on that clock.
 
 `ClosedLoop` is the state machine (`LoopState`) and the refit schedule; its roles are objects
 of their own: the `RecordWindow` of telemetry the fits read, the `SweepPlanner` of the
-(re-)profile's forced blocks, the `Publisher` that sends tables and forces, and the
-`DecisionLog` of every decision taken.
+(re-)profile's forced blocks, the `Publisher` that sends tables and forces, the
+`ConflictWatch` that keeps steps sent in two different records out of every fit (and says
+so on the status topic), and the `DecisionLog` of every decision taken.
 
 The re-profile after `stale`, and why each part (lengths in `LoopConfig`, measurements in
 docs/TUNING.md):
@@ -54,6 +55,7 @@ import pyarrow.compute as pc
 from controller.drift import DriftDetector
 from controller.engine.agent import Mode, TableAgent
 from controller.fleet.channel import ControlChannel
+from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import Decision, DecisionLog, What
 from controller.fleet.key_fit import MIN_FIT_RECORDS, Fit, KeyFitter
 from controller.fleet.latency_knowledge import LatencyKnowledge
@@ -119,10 +121,12 @@ class ClosedLoop:
         # the module's `log` (the parameter of that name is the topic's)
         self._decisions = DecisionLog(str(limits.key), logging.getLogger(__name__))
         self.window = RecordWindow(self.config.fit_window_s)
+        self.conflicts = ConflictWatch(status)
+        """Steps sent in two different records under one engine id, left out of the fits."""
         self.knowledge = LatencyKnowledge()
-        """Every step time the loop's fits have seen: a load that returns is measured."""
+        """The step times the loop's sweeps measured: a load that returns is measured."""
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
-                                self.config.merge_z, self.knowledge)
+                                self.conflicts, self.config.merge_z, self.knowledge)
         self.publisher = Publisher(channel, self.agent, limits, startup_table, self.guardrail,
                                    self.drift, self._decisions)
         self.planner = SweepPlanner(self.config, limits, self.window, self.fitter,

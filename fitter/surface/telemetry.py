@@ -10,14 +10,19 @@ feature of their own); acceptance and the draft share take the steps that verifi
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import polars as pl
 import pyarrow.compute as pc
 from numpy.typing import NDArray
 
 from fitter.records import Records, as_frame
+from fitter.step_conflicts import drop_conflicts
 from fitter.surface.context import CONTEXT_COLUMNS
 from fitter.surface.latency import LATENCY_COLUMNS
+
+log = logging.getLogger(__name__)
 
 NEEDED_COLUMNS: tuple[str, ...] = (
     "engine_id", "step_seq", "ts_ns", "batch_size", "num_decode_reqs", "num_prefill_reqs",
@@ -36,10 +41,13 @@ MAX_AGE_BUCKET = 4
 
 
 def to_frame(records: Records, *, dedupe: bool = True) -> pl.DataFrame:
-    """The columns the fitter reads, as polars; duplicates on (engine_id, step_seq) dropped.
+    """The columns the fitter reads, as polars; with `dedupe`, copies of a step (engine_id,
+    step_seq) dropped: identical ones to one, differing ones all (`fitter.step_conflicts`).
 
     `records` are any `fitter.records.Records`. Without a `num_draft_tokens` column every
-    drafting request counts as verifying `k` drafts.
+    drafting request counts as verifying `k` drafts. The readers that report conflicts (the
+    dataset, the control service) leave none for here; a caller that passes its own records
+    gets them logged.
     """
     wanted = (*NEEDED_COLUMNS, REQUESTS_COLUMN)
     frame = as_frame(records, columns=wanted)
@@ -51,7 +59,10 @@ def to_frame(records: Records, *, dedupe: bool = True) -> pl.DataFrame:
     if frame.height == 0:
         raise ValueError("no telemetry records to fit")
     if dedupe:
-        frame = frame.unique(subset=["engine_id", "step_seq"], keep="first", maintain_order=False)
+        frame, conflicts = drop_conflicts(frame)
+        if len(conflicts):
+            log.warning("fit: left out %d steps that came in two or more different records, "
+                        "by engine id: %s", len(conflicts), conflicts.to_dict()["engines"])
     return frame
 
 

@@ -145,7 +145,8 @@ def test_one_record_per_step_matching_vllm_metrics(engine, hook_broker, stock_ou
 
     records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
                              min_records=metrics["steps"]).to_pylist()
-    assert [r["step_seq"] for r in records] == list(range(metrics["steps"]))
+    first = records[0]["step_seq"]  # the engine's start time (producers.vllm.first_step_seq)
+    assert [r["step_seq"] - first for r in records] == list(range(metrics["steps"]))
     assert sum(r["num_drafts"] for r in records) == metrics["vllm:spec_decode_num_drafts"]
     assert sum(r["num_draft_tokens"] for r in records) == \
         metrics["vllm:spec_decode_num_draft_tokens"]
@@ -228,7 +229,8 @@ def test_broker_outage_never_hurts_generation(engine, hook_broker, stock_outputs
                              min_records=steps_after - steps_before)
     seqs = sorted(set(records.column("step_seq").to_pylist()))
     # Frames buffered during the outage arrive after the restart: nothing was lost.
-    assert seqs == list(range(steps_before, steps_after))
+    base = recorder.first_step_seq
+    assert seqs == list(range(base + steps_before, base + steps_after))
     assert recorder.counters()["records_dropped"] == 0
 
 
@@ -239,7 +241,7 @@ def test_staged_table_applies_at_next_step(engine, stock_outputs, hook_broker):
     assert not scheduler.table_switch.pending
     recorder = scheduler.telemetry
     recorder.flush(timeout_s=10)
-    first_seq = recorder.counters()["records_total"]
+    first_seq = recorder.first_step_seq + recorder.counters()["records_total"]
 
     scheduler.stage_table(DraftTable.from_vllm([[1, 16, 3]]), version=7)
     outputs = vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[3]))
@@ -298,7 +300,7 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
     assert scheduler.table_switch.pending
     recorder = scheduler.telemetry
     recorder.flush(timeout_s=10)
-    first_seq = recorder.counters()["records_total"]
+    first_seq = recorder.first_step_seq + recorder.counters()["records_total"]
     assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[4])) == stock_outputs[4]
     applied = _wait_for_event(feed, lambda e: e["event"] == "applied" and e["version"] == 1)
     assert applied["seconds_to_apply"] >= 0
@@ -392,12 +394,13 @@ def test_a_forced_table_holds_until_released_and_expired_or_bad_forces_do_nothin
     publish(settings, force(key, DraftTable.from_vllm([[1, 16, 1]]), hold_s=600))
     _wait_for_event(feed, lambda e: e["event"] == "forced" and e["table"] == [[1, 16, 1]])
     recorder.flush(timeout_s=10)
-    first_seq = recorder.counters()["records_total"]
+    first_seq = recorder.first_step_seq + recorder.counters()["records_total"]
     assert vllm_setup.generate(llm, vllm_setup.prompts(**BATCHES[4])) == stock_outputs[4]
     assert recorder.flush(timeout_s=10)
-    forced_seq = recorder.counters()["records_total"]
+    recorded = recorder.counters()["records_total"]
+    forced_seq = recorder.first_step_seq + recorded
     records = read_telemetry(hook_broker.broker.bootstrap, engine_id=ENGINE_ID,
-                             min_records=forced_seq).to_pylist()
+                             min_records=recorded).to_pylist()
     steps = [r for r in records if first_seq <= r["step_seq"] < forced_seq]
     assert steps and all(r["forced"] and r["k_next"] == 1 for r in steps)
     assert all(r["table_version"] == following for r in steps)

@@ -33,6 +33,7 @@ class What(enum.StrEnum):
     STAGE = "stage"
     STALE = "stale"
     LATENCY_FORGOTTEN = "latency_forgotten"
+    RECALL = "recall"
     ROLL_BACK = "roll_back"
     KEEP = "keep"
     INCONCLUSIVE = "inconclusive"

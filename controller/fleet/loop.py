@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,13 @@ from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, Publisher
 from controller.fleet.record_window import RecordWindow
 from controller.fleet.refit_gate import predicted_gain
+from controller.fleet.regimes import (
+    RECALL_TRUST_S,
+    SIGNATURE_S,
+    Regime,
+    RegimeMemory,
+    Signature,
+)
 from controller.fleet.sweep_planner import SweepPlanner, SweepProgress
 from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
@@ -78,6 +86,11 @@ log = logging.getLogger(__name__)
 SWEEP_REASONS = frozenset({"profile", "stale"})
 """The refits at a sweep's end: their records hold every K at the sweep's load, which the
 latency knowledge keeps."""
+UNWATCHED_REASONS = frozenset({"profile", "recall"})
+"""Refits published without a guardrail watch: a cold key has no table to protect, and a
+recalled regime's table was watched when it was first measured."""
+FOLLOWED_UP_REASONS = frozenset({"stale", "recall"})
+"""Refits followed by one on the live steps at their table (`LoopConfig.follow_up_s`)."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -133,6 +146,11 @@ class ClosedLoop:
                                     self.publisher, self.guardrail, self._decisions)
         self._next_refit_s = 0.0
         self._cooldown_until_s = 0.0
+        self.regimes = RegimeMemory()
+        """The traffic each re-profile measured: a regime that returns is recalled."""
+        self._recalled_version = -1
+        """The version the last recall published, and when (`_recall`)."""
+        self._recalled_s = -math.inf
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         if current is not None or newest_version > 0 or log:  # LIVE, with a refit due
@@ -295,9 +313,33 @@ class ClosedLoop:
         if report.signal == "latency":
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
-            self._start_reprofile(now_s)
+            if not self._recall(report.version, now_s):
+                self._start_reprofile(now_s)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _recall(self, stale_version: int, now_s: float) -> bool:
+        """Traffic that a re-profile measured before (`RegimeMemory`): refit on that sweep and
+        publish now, with no forced step. A recalled table called stale within
+        `RECALL_TRUST_S` was a wrong match: the re-profile measures what it missed."""
+        if (stale_version == self._recalled_version
+                and now_s - self._recalled_s < RECALL_TRUST_S):
+            return False
+        signature = Signature.of(self.window.window(now_s, since_s=now_s - SIGNATURE_S))
+        regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold)
+        if regime is None or signature is None:
+            return False
+        distance = regime.signature.distance(signature) or (0.0, 0.0)
+        self._decisions.note(now_s, What.RECALL, batch_size=round(signature.batch, 1),
+                             acceptance_off=round(math.expm1(distance[0]), 4),
+                             recalled_batch_size=round(regime.signature.batch, 1),
+                             learned_s=round(regime.learned_s, 3))
+        self.window.anchor = regime.records
+        self._refit(now_s, reason="recall", force=True, k_values=regime.k_values,
+                    steps_since_s=regime.steps_since_s, recalled=regime)
+        self._recalled_version = self.agent.state.desired_version
+        self._recalled_s = now_s
+        return True
 
     def _forget_if_moved(self, now_s: float) -> None:
         """After a latency drift: if the drift window's steps ran off the remembered cells
@@ -308,6 +350,7 @@ class ClosedLoop:
         moved = self.knowledge.shift(recent)
         if moved is not None and abs(moved[0]) >= self.config.drift.latency_threshold:
             cells = self.knowledge.forget()
+            self.regimes.forget()  # their tables were priced at the old step times
             self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
                                  steps=moved[1], cells=cells)
 
@@ -330,10 +373,16 @@ class ClosedLoop:
             self.publisher.baseline_since_s = sweep.started_s
             self._leave_sweep(now_s)
             self.drift.after_sweep(now_s)
-            self._refit(now_s, reason="profile" if first else "stale", force=True,
-                        k_values=sweep.confirmed or None,
-                        steps_since_s=sweep.confirm_started_s if sweep.confirmed else None,
-                        records_since_s=sweep.records_from_s)
+            reason = "profile" if first else "stale"
+            steps_since_s = sweep.confirm_started_s if sweep.confirmed else None
+            self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
+                        steps_since_s=steps_since_s, records_since_s=sweep.records_from_s)
+            records = self.window.anchor
+            signature = Signature.of(records)  # every K's blocks: a later table runs any K
+            if records is not None and signature is not None:
+                self.regimes.remember(
+                    Regime(signature, records, sweep.confirmed or None, steps_since_s, now_s,
+                           reason), self.config.drift.acceptance_threshold)
 
     def _leave_sweep(self, now_s: float) -> None:
         """The sweep is over (done or abandoned): its force released, the loop LIVE."""
@@ -345,13 +394,15 @@ class ClosedLoop:
     def _refit(self, now_s: float, *, reason: str, force: bool,
                k_values: tuple[int, ...] | None = None, steps_since_s: float | None = None,
                records_since_s: float | None = None, min_gain: float | None = None,
-               gain_z: float | None = None) -> bool:
+               gain_z: float | None = None, recalled: Regime | None = None) -> bool:
         """Fit, derive, publish if forced or worth it (`min_gain`, `gain_z`: the config's by
         default); False when held back (a rollback's cooldown, a guardrail watch's hold).
         A re-profile's end: `k_values`, the confirmed K (any other is an extrapolation);
         the step models fit only the steps since `steps_since_s` (the sweep's short blocks
         overrate the larger K's tokens per step), the requests that finished since
-        `records_since_s` price each K's context."""
+        `records_since_s` price each K's context. `recalled`: the fit is that regime's sweep,
+        weighed as of its own refit, and its table is published unwatched (it was vetted
+        when first measured; the drift detector checks its prediction from the first step)."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
         started = self.guardrail.watch_started_s
@@ -359,7 +410,12 @@ class ClosedLoop:
         if not force and (now_s < self._cooldown_until_s or watching):
             return False
         fit_options: dict[str, Any] = {}
-        if steps_since_s is None:
+        fit_s, fit_reason = now_s, reason
+        if recalled is not None:
+            records, fit_s, fit_reason = recalled.records, recalled.learned_s, recalled.reason
+            if steps_since_s is not None:
+                fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
+        elif steps_since_s is None:
             records = self.window.fit_records(now_s)
         else:
             records = self.window.window(now_s, since_s=min(steps_since_s,
@@ -368,8 +424,8 @@ class ClosedLoop:
         if records is None or records.num_rows < MIN_FIT_RECORDS:
             return True
         version = self.agent.state.newest_version + 1
-        envelope = self.fitter(records, now_s, reason=reason, version=version,
-                               half_life_s=None if reason == "profile" else cfg.half_life_s,
+        envelope = self.fitter(records, fit_s, reason=reason, version=version,
+                               half_life_s=None if fit_reason == "profile" else cfg.half_life_s,
                                tolerance=cfg.tolerance, k_values=k_values or self.k_values,
                                provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {},
                                **fit_options)
@@ -398,9 +454,9 @@ class ClosedLoop:
         if vetted:
             self._decisions.note(now_s, What.UNWATCHED, version=version, reason="the "
                                  "confirmation ran the replaced table's K beside the new pick")
-        self.publish(envelope, now_s, guard=reason != "profile" and not vetted,
+        self.publish(envelope, now_s, guard=reason not in UNWATCHED_REASONS and not vetted,
                      after_drift=reason == "stale")
-        if reason == "stale" and cfg.follow_up_s > 0:
+        if reason in FOLLOWED_UP_REASONS and cfg.follow_up_s > 0:
             self._follow_up_s = now_s + cfg.follow_up_s
         return True
 

@@ -1,0 +1,134 @@
+"""The regimes a key's re-profiles measured, so that traffic coming back is recalled, not
+measured again.
+
+A re-profile forces every K for a minute because acceptance above the running K is censored:
+only forced steps show it. A workload that swings back (chat, then code, then chat) has
+shown it already. Each finished sweep is kept with its signature: the first draft
+position's acceptance (which every drafting step measures, whatever its K) and the median
+batch size. When the table goes stale and the last seconds' signature matches a kept
+regime, the loop refits on that regime's sweep and publishes at once, with no forced step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from controller.fleet.sweep import first_position_acceptance
+
+MAX_REGIMES = 8
+"""Regimes kept per key, the least recently used dropped first: a sweep's records are a
+minute of one key's steps (a few MB at most)."""
+RECALL_TRUST_S = 90.0
+"""A recalled table called stale this soon was a wrong match (the drift detector's reference
+and first window take about a minute): the next drift re-profiles instead."""
+SIGNATURE_S = 20.0
+"""Telemetry seconds whose steps sign the traffic at a drift: long enough for the first
+position's 200 drafts at one user, short enough to be past the change."""
+MATCH_FACTOR = 2.0
+"""A regime matches when the first position's acceptance at one K is within this many drift
+acceptance thresholds (30% at the default 0.15): the sweep's one-second blocks at a K read
+up to 29% off what the same traffic settles at under a table (twin, GSM8K n-gram at K5-K7),
+while the workloads a swing moves between differ three-fold (0.16 against 0.46-0.6). A match
+that is wrong shows at once: the drift detector holds the recalled table to its prediction
+from its first steps, and a recalled table called stale soon is re-profiled."""
+MATCH_BATCH_FACTOR = 1.5
+"""... and the median batch size within this factor (the drift detector's coverage factor is
+2: within it, one table serves both)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    acceptance: dict[int, float]
+    """Share of first draft positions accepted, per K that drafted enough to read it: at a
+    larger K a closed loop's batch holds fewer well-accepting requests, so one traffic shows
+    0.46 at K7 and 0.58 at K2 (twin, InstructCoder n-gram), and only one K compares."""
+    drafts: dict[int, float]
+    """Drafts behind each of those shares."""
+    batch: float
+    """Median batch size."""
+
+    @classmethod
+    def of(cls, records: pa.Table | None) -> Signature | None:
+        """The signature of `records`' steps; None without enough drafts at any K."""
+        if records is None or not records.num_rows:
+            return None
+        k = records.column("k").to_numpy()
+        drafts = records.column("num_drafts").to_numpy().astype(np.float64)
+        acceptance, counts = {}, {}
+        for value in np.unique(k[k > 0]):
+            share = first_position_acceptance(records, k == value)
+            if share is not None and share > 0:
+                acceptance[int(value)] = share
+                counts[int(value)] = float(drafts[k == value].sum())
+        if not acceptance:
+            return None
+        return cls(acceptance, counts, float(np.median(records.column("batch_size").to_numpy())))
+
+    def distance(self, other: Signature) -> tuple[float, float] | None:
+        """(|log acceptance ratio| at the shared K with the most drafts on both sides,
+        |log batch ratio|); None without a K in common."""
+        shared = set(self.acceptance) & set(other.acceptance)
+        if not shared:
+            return None
+        at = max(shared, key=lambda k: min(self.drafts[k], other.drafts[k]))
+        return (abs(math.log(self.acceptance[at] / other.acceptance[at])),
+                abs(math.log(max(self.batch, 1.0) / max(other.batch, 1.0))))
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    signature: Signature
+    records: pa.Table
+    """The sweep's records, as its refit read them."""
+    k_values: tuple[int, ...] | None
+    """The K its confirmation ran (the refit chose among them); None: every startup K."""
+    steps_since_s: float | None
+    """Where its refit's step models started (the confirmation), if not at the records'."""
+    learned_s: float
+    """Telemetry time of its refit: the fit weighs its records as of then."""
+    reason: str
+    """Its refit's reason ("profile", "stale"): the recency weights it fitted with."""
+
+
+class RegimeMemory:
+    def __init__(self) -> None:
+        self._regimes: list[Regime] = []
+
+    def __len__(self) -> int:
+        return len(self._regimes)
+
+    def remember(self, regime: Regime, acceptance_threshold: float) -> None:
+        """Keep `regime`; one it matches (the same traffic measured again) is replaced."""
+        self._regimes = [r for r in self._regimes
+                         if not _matches(r.signature, regime.signature, acceptance_threshold)]
+        self._regimes.append(regime)
+        del self._regimes[:-MAX_REGIMES]
+
+    def recall(self, signature: Signature | None, acceptance_threshold: float) -> Regime | None:
+        """The kept regime closest to `signature` within the match bars, or None."""
+        if signature is None:
+            return None
+        matching = [r for r in self._regimes
+                    if _matches(r.signature, signature, acceptance_threshold)]
+        if not matching:
+            return None
+        best = min(matching, key=lambda r: r.signature.distance(signature) or (math.inf,))
+        self._regimes.remove(best)  # most recently used last: the last to be dropped
+        self._regimes.append(best)
+        return best
+
+    def forget(self) -> None:
+        self._regimes.clear()
+
+
+def _matches(a: Signature, b: Signature, acceptance_threshold: float) -> bool:
+    distance = a.distance(b)
+    if distance is None:
+        return False
+    acceptance, batch = distance
+    return (acceptance <= math.log1p(MATCH_FACTOR * acceptance_threshold)
+            and batch <= math.log(MATCH_BATCH_FACTOR))

@@ -1,0 +1,77 @@
+"""Regimes a re-profile measured are recalled when their traffic returns, with no forced step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from controller.fleet.regimes import Regime, RegimeMemory, Signature
+from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
+from twin.config import DrafterConfig
+from twin.tabletune_policy import TabletunePolicy
+
+NGRAM_CHAT = (0.35, 0.84, 0.87, 0.90, 0.91)
+NGRAM_CODE = (0.65, 0.93, 0.94, 0.95, 0.95)
+THRESHOLD = 0.15  # DriftConfig.acceptance_threshold
+
+
+def _steps(first_accepted: float, k: int, batch: int = 32, n: int = 400) -> pa.Table:
+    """Steps at one K whose first draft position accepts `first_accepted` of 10 drafts."""
+    accepted = [[round(10 * first_accepted)] + [0] * (k - 1)] * n
+    return pa.table({"k": np.full(n, k), "num_drafts": np.full(n, 10),
+                     "batch_size": np.full(n, batch),
+                     "accepted_per_pos": pa.array(accepted, type=pa.list_(pa.int64()))})
+
+
+def _regime(signature: Signature, learned_s: float) -> Regime:
+    return Regime(signature, _steps(0.5, 2), None, None, learned_s, "stale")
+
+
+def test_signatures_compare_at_one_k() -> None:
+    chat = Signature.of(pa.concat_tables([_steps(0.2, 2), _steps(0.3, 5)]))
+    assert chat is not None and chat.acceptance == {2: 0.2, 5: 0.3}
+    same_at_5 = Signature.of(_steps(0.3, 5))
+    assert same_at_5 is not None and chat.distance(same_at_5) == (0.0, 0.0)
+    assert chat.distance(Signature.of(_steps(0.3, 7))) is None  # no K in common
+    assert Signature.of(_steps(0.0, 2)) is None  # nothing accepted: nothing to sign with
+
+
+def test_the_closest_matching_regime_is_recalled() -> None:
+    memory = RegimeMemory()
+    chat, code = Signature.of(_steps(0.2, 2)), Signature.of(_steps(0.6, 2))
+    assert chat is not None and code is not None
+    memory.remember(_regime(chat, 10.0), THRESHOLD)
+    memory.remember(_regime(code, 20.0), THRESHOLD)
+    recalled = memory.recall(Signature.of(_steps(0.5, 2)), THRESHOLD)
+    assert recalled is not None and recalled.learned_s == 20.0
+    assert memory.recall(Signature.of(_steps(0.4, 2)), THRESHOLD) is None  # neither is close
+    assert memory.recall(Signature.of(_steps(0.6, 2, batch=128)), THRESHOLD) is None
+    memory.remember(_regime(Signature.of(_steps(0.55, 2)), 30.0), THRESHOLD)  # code again
+    assert len(memory) == 2
+    again = memory.recall(code, THRESHOLD)
+    assert again is not None and again.learned_s == 30.0
+
+
+def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
+    """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
+    re-profile; each return is recalled from the sweep that measured it."""
+    def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=150, concurrency=32, acceptance=acceptance,
+                           prompt_len=prompt, output_len=output)
+
+    chat, code = phase("chat", NGRAM_CHAT, 355, 728), phase("code", NGRAM_CODE, 171, 262)
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                        drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5),
+                        phases=(chat, code, chat, code))
+    policy = TabletunePolicy()
+    try:
+        run_scenario(scenario, policy)
+    finally:
+        policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    reprofiles = [d.t_s for d in decisions if d.what == "reprofile"]
+    recalls = [d.t_s for d in decisions if d.what == "recall"]
+    assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
+    assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
+    assert [d.what for d in decisions].count("confirm") == 1  # no sweep after the first

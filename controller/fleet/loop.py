@@ -151,6 +151,9 @@ class ClosedLoop:
         self._recalled_version = -1
         """The version the last recall published, and when (`_recall`)."""
         self._recalled_s = -math.inf
+        self._table_regime: Regime | None = None
+        """The regime the fleet's table was fitted on (a sweep's or a recall's), which a
+        drift away from it never recalls."""
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         if current is not None or newest_version > 0 or log:  # LIVE, with a refit due
@@ -326,7 +329,8 @@ class ClosedLoop:
                 and now_s - self._recalled_s < RECALL_TRUST_S):
             return False
         signature = Signature.of(self.window.window(now_s, since_s=now_s - SIGNATURE_S))
-        regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold)
+        regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold,
+                                     stale=self._table_regime)
         if regime is None or signature is None:
             return False
         distance = regime.signature.distance(signature) or (0.0, 0.0)
@@ -339,6 +343,7 @@ class ClosedLoop:
                     steps_since_s=regime.steps_since_s, recalled=regime)
         self._recalled_version = self.agent.state.desired_version
         self._recalled_s = now_s
+        self._table_regime = regime
         return True
 
     def _forget_if_moved(self, now_s: float) -> None:
@@ -379,10 +384,12 @@ class ClosedLoop:
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s)
             records = self.window.anchor
             signature = Signature.of(records)  # every K's blocks: a later table runs any K
+            self._table_regime = None
             if records is not None and signature is not None:
-                self.regimes.remember(
-                    Regime(signature, records, sweep.confirmed or None, steps_since_s, now_s,
-                           reason), self.config.drift.acceptance_threshold)
+                self._table_regime = Regime(signature, records, sweep.confirmed or None,
+                                            steps_since_s, now_s, reason)
+                self.regimes.remember(self._table_regime,
+                                      self.config.drift.acceptance_threshold)
 
     def _leave_sweep(self, now_s: float) -> None:
         """The sweep is over (done or abandoned): its force released, the loop LIVE."""

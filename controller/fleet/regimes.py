@@ -108,12 +108,15 @@ class RegimeMemory:
         self._regimes.append(regime)
         del self._regimes[:-MAX_REGIMES]
 
-    def recall(self, signature: Signature | None, acceptance_threshold: float) -> Regime | None:
-        """The kept regime closest to `signature` within the match bars, or None."""
+    def recall(self, signature: Signature | None, acceptance_threshold: float, *,
+               stale: Regime | None = None) -> Regime | None:
+        """The kept regime closest to `signature` within the match bars, or None; never
+        `stale`, the regime the table just called stale was fitted on (its traffic is the
+        one that moved away)."""
         if signature is None:
             return None
-        matching = [r for r in self._regimes
-                    if _matches(r.signature, signature, acceptance_threshold)]
+        matching = [r for r in self._regimes if r is not stale
+                    and _matches(r.signature, signature, acceptance_threshold)]
         if not matching:
             return None
         best = min(matching, key=lambda r: r.signature.distance(signature) or (math.inf,))

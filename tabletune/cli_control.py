@@ -68,8 +68,19 @@ def register(commands: Any) -> None:
         "steps engines explore at is theirs to set (TABLETUNE_EXPLORE_SHARE); the loop's "
         "tuned constants are in docs/TUNING.md.")
     serve.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
-                       help="serve this key alone (default: every key whose engines announce "
-                       "themselves)")
+                       help="serve this key alone, when the group gives it to this replica "
+                       "(default: every key whose engines announce themselves and whose slot "
+                       "the group gives this replica)")
+    serve.add_argument("--group", default=None, metavar="GROUP",
+                       help="the Kafka consumer group the control replicas of one tables "
+                       "topic share: each key is served by one member at a time, keys spread "
+                       "over the members, and a member that stops or stalls loses its keys "
+                       "to the others within the session timeout (default "
+                       "tabletune-control.<tables topic>; with --key, a group of its own "
+                       "keeps a dedicated set of replicas for that key)")
+    serve.add_argument("--session-timeout-s", type=number(1, 300), default=10.0,
+                       help="a replica whose heartbeats stop for this long loses its keys to "
+                       "the others (default 10; 1 to 300)")
     serve.add_argument("--lookback-s", type=NON_NEGATIVE, default=180.0,
                        help="telemetry from this many seconds before start-up, for the "
                        "first fits only (default 180; 0: only new steps)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from controller.fleet.ownership import SLOTS
+from controller.fleet.ownership_config import SLOTS
 from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import TopicNames
 

@@ -12,7 +12,7 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
-from controller.fleet.ownership import SLOTS
+from controller.fleet.ownership_config import SLOTS
 from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker

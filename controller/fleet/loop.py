@@ -126,7 +126,8 @@ class ClosedLoop:
         self._cooldown_until_s = 0.0
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
-        if current is not None or newest_version > 0 or log:  # LIVE, with a refit due
+        folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
+        if current is not None or newest_version > 0 or folded:  # LIVE, with a refit due
             self.publisher.resume(current, newest_version, log)
             self.state = LoopState.LIVE
 

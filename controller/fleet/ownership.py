@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
@@ -35,53 +34,37 @@ from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 
+from controller.fleet.ownership_config import OwnershipConfig
 from schemas import TableKey
-from schemas.bounds import check_bounds, in_range
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SLOTS = 12
-"""Partitions of an ownership topic the service creates: keys spread over up to a dozen
-replicas, and a slot's keys move together (more slots, finer spreading of few keys)."""
 LEASE_SHARE = 0.5
 """A member acts while its last heartbeat acknowledgement is younger than this share of the
 session timeout: the coordinator received that heartbeat less than a round trip earlier, so
 it cannot have expired the member, whatever the round trip up to half the timeout."""
-SESSION_TIMEOUT_MS = 10_000
-"""A replica silent this long loses its keys: kafka-python's 45 s default would leave a
-killed replica's keys unserved for most of a minute. Heartbeats come from kafka-python's
-I/O thread, so a long fit on the service's thread does not count against it."""
 META_TIMEOUT_S = 30.0
 """How long start-up waits for the ownership topic's metadata."""
-
-
-@dataclass(frozen=True, slots=True)
-class OwnershipConfig:
-    group_id: str
-    """The control replicas that share one tables topic share this group."""
-    session_timeout_ms: int = SESSION_TIMEOUT_MS
-    """A member silent this long loses its keys (a killed or stopped replica's keys move
-    within it, plus a rebalance)."""
-    heartbeat_interval_ms: int = 1_000
-    """Heartbeats refresh the lease: at most a third of the session timeout."""
-    slots: int = SLOTS
-    """Partitions of the ownership topic when the service has to create it."""
-
-    def __post_init__(self) -> None:
-        check_bounds(self, session_timeout_ms=in_range(1_000, 300_000),
-                     heartbeat_interval_ms=in_range(100, self.session_timeout_ms / 3),
-                     slots=in_range(1, 10_000))
-        if not self.group_id.strip():
-            raise ValueError("OwnershipConfig.group_id must be a non-empty string")
+POLL_MS = 200
+"""One poll of the membership thread. It polls back to back: kafka-python 3.0.12 drops a
+join that completes while no poll awaits it and joins again, so a consumer polled now and
+then between other work (Tansu holds each join ~3 s) never finishes joining."""
+LOOP_STALL_S = 5.0
+"""The membership thread polls only while the service loop has beaten this recently: a loop
+stuck for longer stops the polls, and past `max_poll_interval_ms` kafka-python leaves the
+group, so a hung replica's keys move too."""
+MAX_POLL_INTERVAL_MS = 120_000
+"""A service loop stuck this long (no fit takes a tenth of it) gives its keys up."""
 
 
 class Ownership(ConsumerRebalanceListener):
     """This replica's share of the keys, kept up to date by the group coordinator.
 
-    `poll()` runs on the service's thread; the rebalance callbacks run on kafka-python's I/O
-    thread, and take the same lock a send holds (`holding`): a revoke waits for a send in
-    flight and returns only once nothing more is sent for those slots."""
+    A membership thread of its own polls the group (`POLL_MS`) while the service loop beats
+    (`beat()`); the rebalance callbacks run on kafka-python's I/O thread, and take the same
+    lock a send holds (`holding`): a revoke waits for a send in flight and returns only
+    once nothing more is sent for those slots."""
 
     def __init__(self, settings: Settings, config: OwnershipConfig) -> None:
         self.settings = settings
@@ -95,6 +78,9 @@ class Ownership(ConsumerRebalanceListener):
         """Slots assigned now (empty between a revoke and the next assignment)."""
         self._epoch = 0
         self._consumer: KafkaConsumer | None = None
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # ---- the group ------------------------------------------------------------------------
     def start(self) -> None:
@@ -104,6 +90,7 @@ class Ownership(ConsumerRebalanceListener):
             **self.settings.client_kwargs(), group_id=self.config.group_id,
             enable_auto_commit=False, session_timeout_ms=self.config.session_timeout_ms,
             heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+            max_poll_interval_ms=MAX_POLL_INTERVAL_MS,
             # eager: each assignment is the whole of a member's slots (`on_partitions_assigned`)
             partition_assignment_strategy=(RoundRobinPartitionAssignor,))
         deadline = time.monotonic() + META_TIMEOUT_S
@@ -118,19 +105,40 @@ class Ownership(ConsumerRebalanceListener):
         _ack_time(consumer)  # fails now, not at the first send, on a client without it
         consumer.subscribe([self.topic], listener=self)
         self._consumer = consumer
+        self._beat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(consumer,),
+                                        name="tabletune-ownership", daemon=True)
+        self._thread.start()
 
-    def poll(self) -> None:
-        """Drive the membership (joins, rebalances); the topic holds no records."""
-        assert self._consumer is not None, "start() first"
-        self._consumer.poll(timeout_ms=0)
+    def beat(self) -> None:
+        """The service loop is alive: the membership thread goes on polling for it."""
+        self._beat = time.monotonic()
 
     def close(self) -> None:
         """Leave the group: the others take the keys at once instead of at the timeout."""
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=META_TIMEOUT_S)
+            self._thread = None
+        self._consumer = None
         with self._lock:
             self._held, self._tenure = frozenset(), {}
+
+    def _run(self, consumer: KafkaConsumer) -> None:
+        """Poll the group (joins, rebalances; the topic holds no records) while the loop
+        beats, then leave it."""
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() - self._beat < LOOP_STALL_S:
+                    consumer.poll(timeout_ms=POLL_MS)
+                else:
+                    self._stop.wait(POLL_MS / 1000)
+        except Exception:  # a broken membership must not pass for a held one
+            log.exception("ownership: the membership thread failed; serving nothing")
+            with self._lock:
+                self._held = frozenset()
+        finally:
+            consumer.close()
 
     # ---- what this member may do ----------------------------------------------------------
     def slot(self, key: TableKey) -> int:

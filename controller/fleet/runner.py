@@ -33,7 +33,8 @@ from kafka import KafkaConsumer, TopicPartition
 from controller.fleet.channel import KafkaChannel
 from controller.fleet.claims import KeyClaims
 from controller.fleet.loop_config import LoopConfig
-from controller.fleet.ownership import SESSION_TIMEOUT_MS, Ownership, OwnershipConfig
+from controller.fleet.ownership import Ownership
+from controller.fleet.ownership_config import SESSION_TIMEOUT_MS, OwnershipConfig
 from controller.fleet.publisher import ISSUED_BY
 from controller.fleet.service import ControlService
 from controller.validation import EngineLimits
@@ -178,13 +179,13 @@ class ControlRunner:
                 log.warning("no assignment from group %s within %.0f s: serving nothing "
                             "until one comes", self.ownership.config.group_id, waited_s)
                 return
-            self.ownership.poll()
+            self.ownership.beat()
             self._stop.wait(0.05)
 
     def _follow_ownership(self) -> None:
         """Drop the keys whose slot this replica no longer holds (or holds anew), then claim
         the keys it holds and has not claimed."""
-        self.ownership.poll()
+        self.ownership.beat()
         for key in self.claims.ended():
             self._drop(key)
         self.claims.claim(self.service.known_keys())

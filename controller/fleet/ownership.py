@@ -79,6 +79,8 @@ class Ownership(ConsumerRebalanceListener):
         self._epoch = 0
         self._consumer: KafkaConsumer | None = None
         self._beat = time.monotonic()
+        self._leased = True
+        """Whether the lease held at the last send: a change is logged once."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -174,8 +176,15 @@ class Ownership(ConsumerRebalanceListener):
         """The epoch to send `key`'s message at, None when this member may not send it now
         (not its key, or its lease lapsed); no revoke completes while the block runs."""
         with self._lock:
-            held = self.tenure(key) is not None and self.lease_holds()
-            yield self._epoch if held else None
+            owned = self.tenure(key) is not None
+            leased = self.lease_holds()
+            if owned and leased != self._leased:
+                self._leased = leased
+                age_s = time.monotonic() - _ack_time(self._consumer) if self._consumer else 0
+                log.log(logging.INFO if leased else logging.WARNING,
+                        "ownership: lease %s (last heartbeat answer %.1f s ago)",
+                        "holds again" if leased else "lapsed: sending nothing", age_s)
+            yield self._epoch if owned and leased else None
 
     # ---- the coordinator's callbacks (kafka-python's I/O thread) ---------------------------
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:

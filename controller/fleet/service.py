@@ -16,6 +16,7 @@ one it loses is dropped (`drop`) without a word to the engines.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,26 @@ class KeyStart:
     """False while limits and startup table are only guessed from an envelope."""
 
 
+class _Recent:
+    """A key's steps of the last fit window, in arrival order: a frame costs O(1), as every
+    replica keeps every key's telemetry (tens of frames a second)."""
+
+    def __init__(self) -> None:
+        self._tables: deque[tuple[int, pa.Table]] = deque()
+        self._newest_ns = 0
+
+    def add(self, rows: pa.Table, window_s: float) -> None:
+        newest_ns = int(pc.max(rows.column("ts_ns")).as_py())
+        self._tables.append((newest_ns, rows))
+        self._newest_ns = max(self._newest_ns, newest_ns)
+        horizon_ns = self._newest_ns - int(window_s * 1e9)
+        while self._tables and self._tables[0][0] < horizon_ns:
+            self._tables.popleft()
+
+    def table(self) -> pa.Table:
+        return pa.concat_tables([rows for _, rows in self._tables])
+
+
 @dataclass
 class _Key:
     loop: ClosedLoop
@@ -85,7 +106,7 @@ class ControlService:
         """What is known of each key before its loop starts (limits, the topic's state)."""
         self.unserved_records = 0
         """Telemetry of keys whose limits are not known yet (no `started`, no envelope)."""
-        self._history: dict[TableKey, list[pa.Table]] = {}
+        self._history: dict[TableKey, _Recent] = {}
         """Each unserved key's telemetry of the last fit window: a key taken over fits at
         once rather than a fit window later."""
         self.engine_keys: dict[str, TableKey] = {}
@@ -157,11 +178,7 @@ class ControlService:
 
     def _remember(self, key: TableKey, rows: pa.Table) -> None:
         """Keep an unserved key's steps for its fits, the last fit window of them."""
-        kept = self._history.setdefault(key, [])
-        kept.append(rows)
-        newest_ns = max(int(pc.max(t.column("ts_ns")).as_py()) for t in kept)
-        horizon_ns = newest_ns - int(self.config.fit_window_s * 1e9)
-        kept[:] = [t for t in kept if int(pc.max(t.column("ts_ns")).as_py()) >= horizon_ns]
+        self._history.setdefault(key, _Recent()).add(rows, self.config.fit_window_s)
 
     def _by_key(self, records: pa.Table) -> list[tuple[TableKey, pa.Table]]:
         if records.num_rows == 0:
@@ -248,7 +265,9 @@ class ControlService:
         if served is None:
             return None
         rows = served.loop.window.window(served.loop.clock_s)
-        self._history[key] = [] if rows is None or rows.num_rows == 0 else [rows]
+        self._history.pop(key, None)
+        if rows is not None and rows.num_rows:
+            self._remember(key, rows)
         log.info("no longer serving %s (%s)", key, served.loop.state.value)
         return served.loop
 
@@ -270,8 +289,9 @@ class ControlService:
                           log=tuple(self._logs.get(key, ())), issued_by=self.issued_by)
         # the newest live step: the lookback's older steps came in through `history`
         start_s = float(pc.max(records.column("ts_ns")).as_py()) / 1e9
-        for rows in self._history.pop(key, []):
-            loop.preload(rows)
+        recent = self._history.pop(key, None)
+        if recent is not None:
+            loop.preload(recent.table())
         loop.start(start_s)
         log.info("serving %s from %.1f s (%s)", key, start_s, loop.state.value)
         served = self.keys[key] = _Key(loop)

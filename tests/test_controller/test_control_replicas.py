@@ -70,7 +70,8 @@ class Replica:
                     "TABLETUNE_TOPIC_TABLES": settings.topics.tables,
                     "TABLETUNE_TOPIC_STATUS": settings.topics.status,
                     "TABLETUNE_TOPIC_DLQ": settings.topics.dlq,
-                    "TABLETUNE_TOPIC_OWNERSHIP": settings.topics.ownership}
+                    "TABLETUNE_TOPIC_OWNERSHIP": settings.topics.ownership,
+                    "PYTHONFAULTHANDLER": "1"}  # a SIGABRT shows where a replica hangs
         self.args = ["--group", group]
         if session_s is not None:
             self.args += ["--session-timeout-s", str(session_s)]
@@ -207,7 +208,7 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
         for replica in replicas:
             replica.start()
         assert wait_for(lambda: settled(replicas), 60), [r.log() for r in replicas]
-        fleets = [fleet_for(key, engines, settings, duration_s=100.0)
+        fleets = [fleet_for(key, engines, settings, duration_s=240.0)
                   for key, engines in zip(keys, (2, 1, 1), strict=True)]
         for fleet in fleets:
             fleet.start()

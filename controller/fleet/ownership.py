@@ -157,11 +157,12 @@ class Ownership(ConsumerRebalanceListener):
         return self._held
 
     def tenure(self, key: TableKey) -> int | None:
-        """The epoch this member's hold of `key` began at; None while it does not hold it.
-        A different value than before means someone else may have held it in between."""
+        """The epoch this member's hold of `key` began at; None once it lost it. A different
+        value than before means someone else may have held it in between. Through a
+        rebalance (revoked, not yet assigned again) it stays: the hold is suspended, and
+        `holding` sends nothing, until the assignment says whether it goes on."""
         with self._lock:
-            slot = self.slot(key)
-            return self._tenure.get(slot) if slot in self._held else None
+            return self._tenure.get(self.slot(key))
 
     def lease_holds(self) -> bool:
         """Whether the coordinator has acknowledged this member recently enough that it
@@ -176,7 +177,7 @@ class Ownership(ConsumerRebalanceListener):
         """The epoch to send `key`'s message at, None when this member may not send it now
         (not its key, or its lease lapsed); no revoke completes while the block runs."""
         with self._lock:
-            owned = self.tenure(key) is not None
+            owned = self.tenure(key) is not None and self.slot(key) in self._held
             leased = self.lease_holds()
             if owned and leased != self._leased:
                 self._leased = leased

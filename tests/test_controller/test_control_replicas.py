@@ -302,12 +302,12 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
             fleet.start()
         target = keys[0]
 
-        def profiling() -> list[TableControl]:  # mid-profile: the owner has forces to send
-            return [m for m in tables_log(settings) if isinstance(m, TableControl)
-                    and m.action == "force" and m.key == target]
-        assert wait_for(profiling, 60)
-        owner_id = claims_of(tables_log(settings), target)[-1].issued_by
-        owner = next(r for r in replicas if r.issued_by == owner_id)
+
+        def profiling() -> Replica | None:  # mid-profile: the owner has forces left to send
+            return next((r for r in replicas if f"{target}: profile at" in r.log()
+                         and f"{target}: stage at" not in r.log()), None)
+        owner = wait_for(profiling, 60, step_s=0.02)
+        assert owner is not None, [r.log() for r in replicas]
         survivor = next(r for r in replicas if r is not owner)
         owner.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -175,6 +175,19 @@ def one_writer(log: list[Any]) -> list[str]:
     return problems
 
 
+def late_messages(log: list[Any]) -> list[TableEnvelope | TableControl]:
+    """Messages of an older epoch than a claim of their key before them on the log: what a
+    replica had in flight when it stopped, and sent on waking, which engines must refuse."""
+    latest: dict[TableKey, int] = {}
+    late = []
+    for message in log:
+        if isinstance(message, TableControl) and message.action == "claim":
+            latest[message.key] = max(latest.get(message.key, 0), message.epoch)
+        elif 0 < message.epoch < latest.get(message.key, 0):
+            late.append(message)
+    return late
+
+
 def fenced_applies(log: list[Any], events: list[dict[str, Any]]) -> list[str]:
     """Engines' `applied` events of a version whose envelope an older epoch sent after a
     newer claim of its key (nothing such may be applied)."""
@@ -214,6 +227,7 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
             fleet.start()
         for fleet in fleets:
             fleet.join()
+        served = tables_log(settings)  # before the stops move keys to the last replicas
     finally:
         for replica in replicas:
             replica.stop()
@@ -223,7 +237,7 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
     for key in keys:
         versions = [m.version for m in log if isinstance(m, TableEnvelope) and m.key == key]
         assert versions and versions == sorted(versions), (key, versions)
-        owners[key] = {c.issued_by for c in claims_of(log, key)}
+        owners[key] = {c.issued_by for c in claims_of(served, key)}
         assert len(owners[key]) == 1, owners  # nobody took a key from a live owner
     assert len(set.union(*owners.values())) == count  # every replica served a key
     assert {r.issued_by for r in replicas} == set.union(*owners.values())
@@ -323,8 +337,20 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
         for replica in replicas:
             replica.stop()
     log = tables_log(settings)
-    assert one_writer(log) == [], "\n".join(one_writer(log))
     events = status_events(settings)
+    # at most the message in flight at the stop reached the log after the survivor's claim
+    late = late_messages(log)
+    assert len(late) <= 1 and all(m.key == target for m in late), late
+    assert all(m.issued_by == owner.issued_by for m in late if isinstance(m, TableControl))
+    refused = [e for e in events if e["event"] == "rejected" and e["reason"] == "stale_epoch"]
+    for message in late:  # ... and every engine of the key refused it
+        which = ("control_id", message.control_id) if isinstance(message, TableControl) \
+            else ("version", message.version)
+        assert {e["engine_id"] for e in refused if e.get(which[0]) == which[1]} \
+            == {e.engine_id for e in fleets[0].engines}, (message, refused)
+    rest = [m for m in log if not any(m is x for x in late)]
+    assert one_writer(rest) == [], "\n".join(one_writer(rest))
     assert fenced_applies(log, events) == []
     applied = [e for e in events if e["event"] == "applied" and e["table_key"] == str(target)]
     assert applied  # the engines did apply tables: the survivor's
+    print(f"sent after losing the key, refused by the engines: {late}")

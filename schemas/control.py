@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from schemas.draft_table import DraftTable
 from schemas.envelope import (
+    MAX_EPOCH,
     MAX_VERSION,
     EnvelopeError,
     Signature,
@@ -41,7 +42,7 @@ from schemas.envelope import (
 )
 from schemas.signing import Keyring
 
-ACTIONS = ("pin", "unpin", "rollback", "force", "release")
+ACTIONS = ("pin", "unpin", "rollback", "force", "release", "claim")
 MAX_TARGETS = 4096
 """Engine ids one control may name: a key's fleet, with room; bounds what a reader allocates."""
 MAX_FORCE_S = 3600.0
@@ -73,6 +74,10 @@ class TableControl:
     targets: tuple[str, ...] = ()
     """The engine ids this control is for (a re-profile's canaries); empty: every engine of
     the key."""
+    epoch: int = 0
+    """The sender's ownership epoch of the key (a control replica's group generation + 1);
+    0: an operator's or an earlier release's control, which no epoch fences. A `claim`
+    carries the epoch its new owner starts: engines refuse anything older after it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, TableKey):
@@ -89,6 +94,10 @@ class TableControl:
                                 f"{MAX_TARGETS}")
         for target in self.targets:
             text(target, "control targets")
+        integer(self.epoch, "epoch", 0, MAX_EPOCH)
+        if self.action == "claim" and (self.epoch < 1 or self.version is not None
+                                       or self.targets):
+            raise EnvelopeError("a claim needs an epoch >= 1, and no version or targets")
         if self.action == "pin" and (self.version is None or self.version < 1):
             raise EnvelopeError("a pin needs a version >= 1")
         if self.action != "force":
@@ -126,6 +135,8 @@ class TableControl:
             out["expires_at"] = self.expires_at
         if self.targets:
             out["targets"] = list(self.targets)
+        if self.epoch:  # absent at 0: an earlier release's signed bytes stay the same
+            out["epoch"] = self.epoch
         if self.signature is not None:
             out["signature"] = self.signature.to_dict()
         return out
@@ -151,6 +162,7 @@ class TableControl:
                 table=None if table is None else DraftTable.from_vllm(table),
                 expires_at=data.get("expires_at"),
                 targets=tuple(sequence(data.get("targets", []), "control targets")),
+                epoch=integer(data.get("epoch", 0), "epoch"),
             )
         except KeyError as exc:
             raise EnvelopeError(f"control field {exc.args[0]!r} is missing") from None

@@ -33,6 +33,8 @@ MAX_K = 64
 drift detector's (batch size, K) grid)."""
 MAX_VERSION = 2**63 - 1
 """Versions are int64 in other readers (Java, Go); JSON alone allows any integer."""
+MAX_EPOCH = 2**31
+"""An epoch is a Kafka group generation (int32) plus one (`controller.fleet.ownership`)."""
 MAX_NAME_CHARS = 256
 """Key fields, key ids, issuers, engine and control ids: HF model ids and GPU names are
 under 100 characters."""
@@ -148,6 +150,9 @@ class TableEnvelope:
     """Per-cell predictions and uncertainty (batch_sizes, k_values, goodput, stderr)."""
     exploration: Mapping[str, Any] = field(default_factory=dict)
     """Exploration plan for the controller (which K to try at which batch sizes)."""
+    epoch: int = 0
+    """The sender's ownership epoch of the key (a control replica's group generation + 1);
+    0: not sent by a control replica (an operator's, or an earlier release's): unfenced."""
     signature: Signature | None = None
 
     def __post_init__(self) -> None:
@@ -155,6 +160,7 @@ class TableEnvelope:
         if not isinstance(self.key, TableKey) or not isinstance(self.table, DraftTable):
             raise EnvelopeError("an envelope needs a TableKey and a DraftTable")
         integer(self.version, "version", 1, MAX_VERSION)
+        integer(self.epoch, "epoch", 0, MAX_EPOCH)
         integer(self.max_batch, "max_batch", 1, MAX_BATCH_SIZE)
         k_values = {integer(k, "startup_k_values", 0, MAX_K) for k in self.startup_k_values}
         if not k_values or len(k_values) != len(self.startup_k_values):
@@ -204,6 +210,8 @@ class TableEnvelope:
             "surface": dict(self.surface),
             "exploration": dict(self.exploration),
         }
+        if self.epoch:  # absent at 0: an earlier release's signed bytes stay the same
+            out["epoch"] = self.epoch
         if self.signature is not None:
             out["signature"] = self.signature.to_dict()
         return out
@@ -230,6 +238,7 @@ class TableEnvelope:
                                                        "predicted_goodput_tok_s")),
                 surface=dict(mapping(data.get("surface", {}), "surface")),
                 exploration=dict(mapping(data.get("exploration", {}), "exploration")),
+                epoch=integer(data.get("epoch", 0), "epoch"),
                 signature=None if signature is None else Signature.from_dict(signature),
             )
         except KeyError as exc:

@@ -29,6 +29,8 @@ ENV_VARS: dict[str, str] = {
     "TABLETUNE_TOPIC_TABLES": "tables topic (default tabletune.tables)",
     "TABLETUNE_TOPIC_STATUS": "controller status topic (default tabletune.status)",
     "TABLETUNE_TOPIC_DLQ": "dead-letter topic (default tabletune.dlq)",
+    "TABLETUNE_TOPIC_OWNERSHIP": "control replicas' ownership topic, whose partitions share "
+                                 "out the table keys (default tabletune.ownership)",
     "TABLETUNE_SECURITY_PROTOCOL": "PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL",
     "TABLETUNE_SASL_MECHANISM": "PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 | OAUTHBEARER | GSSAPI",
     "TABLETUNE_SASL_USERNAME": "SASL username",
@@ -83,9 +85,12 @@ class TopicNames:
     tables: str = "tabletune.tables"
     status: str = "tabletune.status"
     dlq: str = "tabletune.dlq"
+    ownership: str = "tabletune.ownership"
+    """No records: its partitions are the slots a control group shares out
+    (`controller.fleet.ownership`)."""
 
     def __post_init__(self) -> None:
-        for name in ("telemetry", "tables", "status", "dlq"):
+        for name in ("telemetry", "tables", "status", "dlq", "ownership"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise SettingsError(f"TABLETUNE_TOPIC_{name.upper()}={value!r}: a topic name "
@@ -163,6 +168,7 @@ class Settings:
             tables=env.get("TABLETUNE_TOPIC_TABLES", default_topics.tables),
             status=env.get("TABLETUNE_TOPIC_STATUS", default_topics.status),
             dlq=env.get("TABLETUNE_TOPIC_DLQ", default_topics.dlq),
+            ownership=env.get("TABLETUNE_TOPIC_OWNERSHIP", default_topics.ownership),
         )
         security = KafkaSecurity(
             security_protocol=env.get("TABLETUNE_SECURITY_PROTOCOL", "PLAINTEXT"),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from controller.fleet.ownership_config import SLOTS
 from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import TopicNames
 
@@ -62,6 +63,8 @@ class TopicLayout:
             NewTopic(self.names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
             NewTopic(self.names.status, 1, 1),
             NewTopic(self.names.dlq, 1, 1),
+            # no records: its partitions are the slots control replicas share out
+            NewTopic(self.names.ownership, SLOTS, 1),
         ]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from controller.fleet.loop_config import LoopConfig
+from controller.fleet.ownership_config import SESSION_TIMEOUT_MS
 from schemas.control import MAX_FORCE_S
 from tabletune.cli_args import NON_NEGATIVE, POSITIVE, integer, number, table_key
 
@@ -64,12 +65,28 @@ def register(commands: Any) -> None:
         "after a drift re-profiles a canary share of the engines and publishes the new "
         "table. Its clock is the telemetry's timestamps. State lives in the topics: a "
         "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
-        "any force it holds. Needs TABLETUNE_BOOTSTRAP (or --bootstrap). The share of "
+        "any force it holds. Run several: replicas on one tables topic share the keys "
+        "through a Kafka consumer group (--group), one writer per key at a time, and stamp "
+        "what they send with their ownership epoch, which engines fence on "
+        "(docs/OPERATIONS.md). Needs TABLETUNE_BOOTSTRAP (or --bootstrap). The share of "
         "steps engines explore at is theirs to set (TABLETUNE_EXPLORE_SHARE); the loop's "
         "tuned constants are in docs/TUNING.md.")
     serve.add_argument("--key", type=table_key, default=None, metavar="MODEL|DRAFTER|HARDWARE",
-                       help="serve this key alone (default: every key whose engines announce "
-                       "themselves)")
+                       help="serve this key alone, when the group gives it to this replica "
+                       "(default: every key whose engines announce themselves and whose slot "
+                       "the group gives this replica)")
+    serve.add_argument("--group", default=None, metavar="GROUP",
+                       help="the Kafka consumer group the control replicas of one tables "
+                       "topic share: each key is served by one member at a time, keys spread "
+                       "over the members, and a member that stops or stalls loses its keys "
+                       "to the others within the session timeout (default "
+                       "tabletune-control.<tables topic>; with --key, a group of its own "
+                       "keeps a dedicated set of replicas for that key)")
+    serve.add_argument("--session-timeout-s", type=number(1, 300),
+                       default=SESSION_TIMEOUT_MS / 1000,
+                       help="a replica whose heartbeats stop for this long loses its keys to "
+                       "the others, and one acts only while its last heartbeat is younger "
+                       f"than half of it (default {SESSION_TIMEOUT_MS / 1000:g}; 1 to 300)")
     serve.add_argument("--lookback-s", type=NON_NEGATIVE, default=180.0,
                        help="telemetry from this many seconds before start-up, for the "
                        "first fits only (default 180; 0: only new steps)")

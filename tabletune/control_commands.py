@@ -31,7 +31,8 @@ from schemas.table_files import load_table_file
 def run_control_service(args: argparse.Namespace) -> int:
     try:  # before the broker: a bad setting is a usage error wherever the service runs
         key = None if args.key is None else TableKey.parse(args.key)
-        config = ControlRunConfig(key=key, lookback_s=args.lookback_s)
+        config = ControlRunConfig(key=key, lookback_s=args.lookback_s, group=args.group,
+                                  session_timeout_ms=round(args.session_timeout_s * 1000))
         loop_config = loop_config_of(args)
     except (ValueError, EnvelopeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -69,6 +70,7 @@ def run_control_service(args: argparse.Namespace) -> int:
                       "send_errors": sum(c.errors for c in runner.channels.values()),
                       "unsent": sum(c.unsent for c in runner.channels.values()),
                       "dropped_unsent": sum(c.dropped for c in runner.channels.values()),
+                      "fenced_unsent": runner.fenced,
                       "keys": served, **_cpu(started)}))
     return 0
 

@@ -12,6 +12,7 @@ import pytest
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 
+from controller.fleet.ownership_config import SLOTS
 from controller.fleet.table_log import TABLES_TOPIC_CONFIG
 from schemas.settings import Settings, TopicNames
 from tabletune.broker import EmbeddedBroker
@@ -48,11 +49,12 @@ def unique_name() -> str:
 
 @pytest.fixture
 def topic_settings(broker: EmbeddedBroker, unique_name: str) -> Settings:
-    """Settings for the session's broker with this test's own four topics, created."""
+    """Settings for the session's broker with this test's own five topics, created."""
     names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
-                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq")
+                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq",
+                       ownership=f"{unique_name}.ownership")
     admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-    admin.create_topics([NewTopic(names.telemetry, 4, 1),
+    admin.create_topics([NewTopic(names.telemetry, 4, 1), NewTopic(names.ownership, SLOTS, 1),
                          NewTopic(names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
                          NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1)])
     admin.close()

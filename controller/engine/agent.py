@@ -3,6 +3,12 @@
 It consumes the table log of one key in order (envelopes and operator controls) and decides a
 *desired* version; the feed stages it into the engine's table switch once it has caught up, so
 a restart that replays the whole log applies only the final state. Pure: no Kafka, no clock.
+
+Fencing: each control replica stamps what it sends with its ownership epoch of the key, and a
+new owner's first word is a `claim` at its epoch. The agent keeps the highest epoch seen and
+refuses anything older (`stale_epoch`): a replica that lost the key, stalled or partitioned,
+cannot move the engines once its successor has claimed. It also refuses a version it accepted
+before with other content (`version_conflict`): two writers numbered two tables alike.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class TableAgentState:
     """Desired versions in the order they were chosen (for rollback)."""
     forced: TableControl | None = None
     """The `force` in effect until its release or expiry (over whatever version is desired)."""
+    epoch: int = 0
+    """The highest ownership epoch of an authentic message so far (0: none carried one)."""
     folded_controls: set[str] = field(default_factory=set)
     """Ids of the authentic controls folded so far: one met again is a replay. A few dozen
     bytes per control, and a key sees a few dozen controls per re-profile."""
@@ -66,12 +74,13 @@ class TableAgent:
         state = self.state
         try:
             check_envelope(envelope, self.limits, self.keyring)
+            self._check_epoch(envelope.epoch)
             if envelope.version <= state.newest_version:
-                raise Rejection("stale_version", f"version {envelope.version} is not newer "
-                                f"than {state.newest_version}")
+                raise _version_refusal(envelope, state.accepted.get(envelope.version),
+                                       state.newest_version)
         except Rejection as exc:
             self.emit("rejected", version=envelope.version, reason=exc.reason,
-                      detail=exc.detail, **_at(offset))
+                      detail=exc.detail, **_epoch(envelope.epoch), **_at(offset))
             return False
         state.accepted[envelope.version] = envelope
         state.newest_version = envelope.version
@@ -96,8 +105,14 @@ class TableAgent:
                       "was folded before: this is a copy sent again", **named)
             return
         self.state.folded_controls.add(control.control_id)
+        try:
+            self._check_epoch(control.epoch)
+        except Rejection as exc:
+            self.emit("rejected", reason=exc.reason, detail=exc.detail,
+                      **_epoch(control.epoch), **named)
+            return
         handler = {"pin": self._pin, "unpin": self._unpin, "rollback": self._rollback,
-                   "force": self._force, "release": self._release}
+                   "force": self._force, "release": self._release, "claim": self._claim}
         handler[control.action](control)
 
     def forced_table(self, now: datetime) -> DraftTable | None:
@@ -116,7 +131,24 @@ class TableAgent:
         """Guardrail: withdraw the desired version and go back to the previous one."""
         return self._rollback(None, reason=reason, **evidence)
 
+    def _check_epoch(self, epoch: int) -> None:
+        """Raise `stale_epoch` for an epoch older than the newest seen, else take it as the
+        newest; epoch 0 (an operator, an earlier release) is not fenced."""
+        if epoch == 0:
+            return
+        if epoch < self.state.epoch:
+            raise Rejection("stale_epoch", f"epoch {epoch} is older than epoch "
+                            f"{self.state.epoch}, whose owner has claimed the key since")
+        self.state.epoch = epoch
+
     # ---- transitions ----------------------------------------------------------------------
+    def _claim(self, control: TableControl) -> None:
+        """A new owner's epoch (taken by `_check_epoch`): a force an older owner holds ends,
+        as its sender can no longer release it."""
+        forced = self.state.forced
+        if forced is not None and 0 < forced.epoch < control.epoch:
+            self.state.forced = None
+
     def _pin(self, control: TableControl) -> None:
         version = control.version
         assert version is not None
@@ -172,6 +204,25 @@ class TableAgent:
     def desired(self) -> TableEnvelope | None:
         """The envelope the engine should run (None: its startup table)."""
         return self.state.accepted.get(self.state.desired_version)
+
+
+def _version_refusal(envelope: TableEnvelope, seen: TableEnvelope | None,
+                     newest: int) -> Rejection:
+    """Why a version not newer than `newest` is refused: the same version with other content
+    (two writers), the same message again, or an older number."""
+    if seen is None:
+        return Rejection("stale_version", f"version {envelope.version} is not newer than "
+                         f"{newest}")
+    if seen.unsigned_payload() != envelope.unsigned_payload():
+        return Rejection("version_conflict", f"version {envelope.version} was accepted "
+                         "before with other content")
+    return Rejection("stale_version", f"version {envelope.version} was accepted before: "
+                     "this is a copy")
+
+
+def _epoch(epoch: int) -> dict[str, int]:
+    """The `epoch` field of a refusal of a message that carried one."""
+    return {"epoch": epoch} if epoch else {}
 
 
 def _at(offset: int | None) -> dict[str, int]:

@@ -9,8 +9,11 @@ once, as if the topic had no latency. Engines fold them with the same code eithe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -18,7 +21,7 @@ from kafka import KafkaProducer
 
 from controller.engine.feed import EngineFeed
 from fitter.kafka_clients import NEVER_BLOCK_BOOTSTRAP_MS, close_producer
-from schemas import TableControl, TableEnvelope
+from schemas import TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,17 @@ the next try (a tick of the service stalls at most this long in an outage)."""
 CLOSE_S = 2.0
 """At shutdown, what the producer gets to deliver what it holds; past it, the rest fails
 (a down broker must not hold the service's exit)."""
+Holding = Callable[[TableKey], AbstractContextManager[int | None]]
+"""holding(key): the epoch to send a message of `key` at, for as long as the block runs;
+None while this sender may not send it (`controller.fleet.ownership.Ownership.holding`)."""
+
+
+@contextmanager
+def unfenced(key: TableKey) -> Iterator[int | None]:
+    """A sender outside any group (tests, tools): epoch 0, which engines do not fence."""
+    yield 0
+
+
 MAX_UNSENT = 1024
 """Messages kept through a broker outage, oldest dropped first (a control service ticks once
 a second: minutes of decisions)."""
@@ -67,10 +81,15 @@ class KafkaChannel:
 
     A message the broker did not acknowledge is kept, in order, and sent before the next
     one (`resend()` also retries on the service's idle polls): an envelope the loop decided
-    on reaches the engines once the broker is back, and in the order it was decided."""
+    on reaches the engines once the broker is back, and in the order it was decided.
 
-    def __init__(self, settings: Settings) -> None:
+    Each message is stamped with the sender's epoch and signed as it goes out, under
+    `holding`: one the sender may not send now is kept, and goes once it may again (a lease
+    renewed) or is dropped with the channel (the key's owner changed)."""
+
+    def __init__(self, settings: Settings, holding: Holding = unfenced) -> None:
         self.settings = settings
+        self.holding = holding
         self.errors = 0
         self.dropped = 0
         self._unsent: list[Message] = []
@@ -78,9 +97,6 @@ class KafkaChannel:
         self._retry_at = 0.0
 
     def send(self, message: Message) -> None:
-        settings = self.settings
-        if settings.signing_key_id is not None and settings.signing_key is not None:
-            message = message.signed(settings.signing_key_id, settings.signing_key)
         self._unsent.append(message)
         if len(self._unsent) > MAX_UNSENT:
             self._unsent.pop(0)
@@ -100,12 +116,10 @@ class KafkaChannel:
         while self._unsent:
             message = self._unsent[0]
             try:
-                if self._producer is None:
-                    self._producer = KafkaProducer(
-                        **settings.client_kwargs(), max_block_ms=2000, linger_ms=0,
-                        bootstrap_timeout_ms=NEVER_BLOCK_BOOTSTRAP_MS)
-                self._producer.send(settings.topics.tables, key=str(message.key).encode(),
-                                    value=message.to_json()).get(timeout=ACK_TIMEOUT_S)
+                with self.holding(message.key) as epoch:
+                    if epoch is None:  # not this sender's to send now: kept
+                        return False
+                    self._deliver(self._stamped(message, epoch))
             except Exception as exc:  # a broker outage: kept for the next try
                 self.errors += 1
                 # one line per failed try, not a traceback every RETRY_S through an outage
@@ -116,6 +130,24 @@ class KafkaChannel:
                 return False
             self._unsent.pop(0)
         return True
+
+    def _stamped(self, message: Message, epoch: int) -> Message:
+        """`message` at `epoch`, signed over it when a signing key is configured."""
+        settings = self.settings
+        if epoch:
+            message = dataclasses.replace(message, epoch=epoch, signature=None)
+        if settings.signing_key_id is not None and settings.signing_key is not None:
+            message = message.signed(settings.signing_key_id, settings.signing_key)
+        return message
+
+    def _deliver(self, message: Message) -> None:
+        """Send and wait for the broker's acknowledgement (raises on a broker problem)."""
+        if self._producer is None:
+            self._producer = KafkaProducer(
+                **self.settings.client_kwargs(), max_block_ms=2000, linger_ms=0,
+                bootstrap_timeout_ms=NEVER_BLOCK_BOOTSTRAP_MS)
+        self._producer.send(self.settings.topics.tables, key=str(message.key).encode(),
+                            value=message.to_json()).get(timeout=ACK_TIMEOUT_S)
 
     def close(self, timeout_s: float = CLOSE_S) -> None:
         """Drop the producer; a message it still held stays in `_unsent` for the next one."""

@@ -61,7 +61,7 @@ from controller.fleet.decisions import Decision, DecisionLog, What
 from controller.fleet.key_fit import MIN_FIT_RECORDS, Fit, KeyFitter
 from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
-from controller.fleet.publisher import CHOSEN_AMONG_K, Publisher
+from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
 from controller.fleet.refit_gate import predicted_gain
 from controller.fleet.regimes import (
@@ -111,13 +111,15 @@ class ClosedLoop:
     def __init__(self, channel: ControlChannel, limits: EngineLimits, status: StatusPublisher,
                  fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
                  current: TableEnvelope | None = None, newest_version: int = 0,
-                 log: tuple[TableEnvelope | TableControl, ...] = ()) -> None:
+                 log: tuple[TableEnvelope | TableControl, ...] = (),
+                 issued_by: str = ISSUED_BY) -> None:
         """`channel`: where envelopes and controls go (the tables topic, or the twin's
         engines in memory); `startup_table`: what the key's engines run before any version;
         `current`, `newest_version`: what the tables topic already holds for the key (a
         restarted control service goes on from there, LIVE, rather than profiling again);
         `log`: the key's envelopes and operator controls on the topic, in order, folded as
-        the engines folded them (a pin or an operator's rollback holds after a restart)."""
+        the engines folded them (a pin or an operator's rollback holds after a restart);
+        `issued_by`: who its force and release controls say sent them."""
         self.channel = channel
         self.startup_table = startup_table
         self.limits = limits
@@ -141,7 +143,7 @@ class ClosedLoop:
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
                                 self.conflicts, self.config.merge_z, self.knowledge)
         self.publisher = Publisher(channel, self.agent, limits, startup_table, self.guardrail,
-                                   self.drift, self._decisions)
+                                   self.drift, self._decisions, issued_by=issued_by)
         self.planner = SweepPlanner(self.config, limits, self.window, self.fitter,
                                     self.publisher, self.guardrail, self._decisions)
         self._next_refit_s = 0.0
@@ -156,7 +158,8 @@ class ClosedLoop:
         drift away from it never recalls."""
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
-        if current is not None or newest_version > 0 or log:  # LIVE, with a refit due
+        folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
+        if current is not None or newest_version > 0 or folded:  # LIVE, with a refit due
             self.publisher.resume(current, newest_version, log)
             self.state = LoopState.LIVE
 
@@ -230,6 +233,9 @@ class ClosedLoop:
         table follows theirs. While pinned it holds (no force, refit or re-profile: the
         operator froze the fleet); after a rollback it waits out the guardrail's cooldown
         rather than send the withdrawn table straight back."""
+        if control.action == "claim":  # a newer owner's epoch: what older ones send is fenced
+            self.agent.on_control(control)
+            return
         if control.action not in OPERATOR_ACTIONS:
             return  # force and release are the loop's own (or another replica's)
         if control.targets:  # a part of the fleet: the loop decides for all of it

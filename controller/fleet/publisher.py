@@ -31,14 +31,15 @@ the version it withdraws. A rollback is a new version, so a log replayed from th
 folds to the same table as one followed live."""
 
 ISSUED_BY = "tabletune-control"
-"""Who the loop's force and release controls say sent them."""
+"""Who the loop's force and release controls say sent them (a replica adds its id)."""
 
 
 class Publisher:
     def __init__(self, channel: ControlChannel, agent: TableAgent, limits: EngineLimits,
                  startup_table: DraftTable, guardrail: Guardrail, drift: DriftDetector,
-                 decisions: DecisionLog) -> None:
+                 decisions: DecisionLog, *, issued_by: str = ISSUED_BY) -> None:
         self.channel = channel
+        self.issued_by = issued_by
         self.agent = agent
         self.limits = limits
         self.startup_table = startup_table
@@ -160,7 +161,7 @@ class Publisher:
         self.channel.send(TableControl(
             key=self.limits.key, action="force", version=None,
             issued_at=clock_time(now_s).isoformat(), control_id=new_control_id(),
-            issued_by=ISSUED_BY, table=table,
+            issued_by=self.issued_by, table=table,
             expires_at=clock_time(until_s).isoformat(), targets=targets))
         self._forcing = targets
 
@@ -171,5 +172,5 @@ class Publisher:
         self.channel.send(TableControl(
             key=self.limits.key, action="release", version=None,
             issued_at=clock_time(now_s).isoformat(), control_id=new_control_id(),
-            issued_by=ISSUED_BY, targets=self._forcing))
+            issued_by=self.issued_by, targets=self._forcing))
         self._forcing = None

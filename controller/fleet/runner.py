@@ -1,7 +1,12 @@
 """`tabletune control`: the `ControlService` fed from Kafka, with the telemetry as its clock.
 
-Three readers, none in a consumer group (the service needs every engine of its keys and
-commits nothing; its state lives in the topics):
+Replicas share the keys through one consumer group on the ownership topic
+(`controller.fleet.ownership`): each serves the keys of the slots it is assigned, claims
+each before acting for it (`controller.fleet.claims`), and stops serving one the moment
+its slot is revoked. Everything it sends carries its epoch.
+
+Three readers, none in a consumer group (the service needs every engine of every key, as
+any of them may become its own, and commits nothing; its state lives in the topics):
 - the tables topic from the beginning: each key's newest version and current envelope, so a
   restarted service goes on from them (LIVE, no second profile, no reused version);
 - the status topic from the beginning: the engines' `started` announcements (K set, batch
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +31,11 @@ from dataclasses import dataclass
 from kafka import KafkaConsumer, TopicPartition
 
 from controller.fleet.channel import KafkaChannel
+from controller.fleet.claims import KeyClaims
 from controller.fleet.loop_config import LoopConfig
+from controller.fleet.ownership import Ownership
+from controller.fleet.ownership_config import SESSION_TIMEOUT_MS, OwnershipConfig
+from controller.fleet.publisher import ISSUED_BY
 from controller.fleet.service import ControlService
 from controller.validation import EngineLimits
 from controller.vllm_compat import check_with_vllm
@@ -55,9 +66,29 @@ class ControlRunConfig:
     the last minutes again instead of waiting for them."""
     poll_ms: int = 100
     """How long one poll of a topic waits: the service's reaction time, at most."""
+    group: str | None = None
+    """The consumer group the replicas of one tables topic share (None: `default_group`)."""
+    session_timeout_ms: int = SESSION_TIMEOUT_MS
+    """A replica silent this long loses its keys to the others."""
+    replica_id: str | None = None
+    """Who this replica's controls say sent them, after `tabletune-control/` (None:
+    hostname-pid)."""
 
     def __post_init__(self) -> None:
-        check_bounds(self, lookback_s=at_least(0), poll_ms=in_range(1, 10_000))
+        check_bounds(self, lookback_s=at_least(0), poll_ms=in_range(1, 10_000),
+                     session_timeout_ms=in_range(1_000, 300_000))
+        if self.group is not None and not self.group.strip():
+            raise ValueError("ControlRunConfig.group must be a non-empty string or None")
+
+
+def default_group(settings: Settings) -> str:
+    """One group per tables topic: the replicas that write it are the ones to share keys."""
+    return f"tabletune-control.{settings.topics.tables}"
+
+
+def _heartbeat_ms(session_timeout_ms: int) -> int:
+    """A heartbeat each tenth of the session: a few lost ones cost no lease."""
+    return max(100, session_timeout_ms // 10)
 
 
 class ControlRunner:
@@ -66,15 +97,26 @@ class ControlRunner:
                  loop_config: LoopConfig | None = None) -> None:
         settings.require_bootstrap()
         self.settings = settings
-        self.config = config or ControlRunConfig()
+        self.config = config = config or ControlRunConfig()
+        replica = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.issued_by = f"{ISSUED_BY}/{replica}"
+        self.ownership = Ownership(settings, OwnershipConfig(
+            group_id=config.group or default_group(settings),
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=_heartbeat_ms(config.session_timeout_ms)))
         channels: dict[TableKey, KafkaChannel] = {}
 
         def channel_for(key: TableKey) -> KafkaChannel:
-            return channels.setdefault(key, KafkaChannel(settings))
+            return channels.setdefault(key, KafkaChannel(settings, self.ownership.holding))
 
         self.channels = channels
+        self.claims = KeyClaims(self.ownership, lambda claim: channel_for(claim.key).send(claim),
+                                self.issued_by)
         self.service = ControlService(fit, channel_for, config=loop_config, settings=settings,  # type: ignore[arg-type]
-                                      only_key=self.config.key)
+                                      only_key=config.key, owns=self.claims.serves,
+                                      issued_by=self.issued_by)
+        self.fenced = 0
+        """Messages dropped unsent because their key's owner changed before they went."""
         self.records = 0
         self.history_records = 0
         self.bad_frames = 0
@@ -97,13 +139,17 @@ class ControlRunner:
         try:
             self._catch_up(tables, self._on_table)
             self._catch_up(status, self._on_status)
+            self._join()
             telemetry = self._telemetry = self._reader(topics.telemetry, from_beginning=False)
-            log.info("ready: %d key(s) known from the tables and status topics",
-                     len(self.service.starts))
+            log.info("ready: %d key(s) known from the tables and status topics; %s in group "
+                     "%s at epoch %d, slots %s of %d", len(self.service.starts), self.issued_by,
+                     self.ownership.config.group_id, self.ownership.epoch,
+                     sorted(self.ownership.slots), self.ownership.slot_count)
             try:
                 while not self._stop.is_set():
                     if deadline is not None and time.monotonic() >= deadline:
                         break
+                    self._follow_ownership()
                     self._drain(status, self._on_status, timeout_ms=0)
                     self._drain(tables, self._on_table, timeout_ms=0)
                     self._drain(telemetry, self._on_telemetry, timeout_ms=self.config.poll_ms)
@@ -119,6 +165,38 @@ class ControlRunner:
             status.close()
             for channel in self.channels.values():
                 channel.close()
+            self.ownership.close()  # after the releases: they go out while still the owner
+
+    # ---- ownership ------------------------------------------------------------------------
+    def _join(self) -> None:
+        """Join the group and wait (a few session timeouts at most) for a first assignment,
+        so that `ready` says which slots this replica serves."""
+        self.ownership.start()
+        waited_s = 3 * self.config.session_timeout_ms / 1000
+        deadline = time.monotonic() + waited_s
+        while self.ownership.epoch == 0 and not self._stop.is_set():
+            if time.monotonic() >= deadline:
+                log.warning("no assignment from group %s within %.0f s: serving nothing "
+                            "until one comes", self.ownership.config.group_id, waited_s)
+                return
+            self.ownership.beat()
+            self._stop.wait(0.05)
+
+    def _follow_ownership(self) -> None:
+        """Drop the keys whose slot this replica no longer holds (or holds anew), then claim
+        the keys it holds and has not claimed."""
+        self.ownership.beat()
+        for key in self.claims.ended():
+            self._drop(key)
+        self.claims.claim(self.service.known_keys())
+
+    def _drop(self, key: TableKey) -> None:
+        """Stop serving `key` at once: its loop and its unsent messages go."""
+        self.service.drop(key)
+        channel = self.channels.pop(key, None)
+        if channel is not None:
+            self.fenced += channel.unsent
+            channel.close(timeout_s=0)
 
     # ---- readers --------------------------------------------------------------------------
     def _reader(self, topic: str, *, from_beginning: bool) -> KafkaConsumer:
@@ -182,6 +260,10 @@ class ControlRunner:
                     parsed.verify(keyring)
                 except SignatureError:
                     return  # engines refuse it too, naming the reason
+            if parsed.action == "claim" and self.claims.seen(parsed):
+                log.warning("%s was claimed at epoch %d, after ours (%d): no longer serving "
+                            "it", parsed.key, parsed.epoch, self.ownership.epoch)
+                self._drop(parsed.key)
             self.service.control_seen(parsed, now_s)
 
     def _on_status(self, message: object) -> None:

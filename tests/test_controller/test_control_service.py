@@ -76,7 +76,8 @@ class ControlProcess:
                     "TABLETUNE_TOPIC_TELEMETRY": settings.topics.telemetry,
                     "TABLETUNE_TOPIC_TABLES": settings.topics.tables,
                     "TABLETUNE_TOPIC_STATUS": settings.topics.status,
-                    "TABLETUNE_TOPIC_DLQ": settings.topics.dlq}
+                    "TABLETUNE_TOPIC_DLQ": settings.topics.dlq,
+                    "TABLETUNE_TOPIC_OWNERSHIP": settings.topics.ownership}
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 

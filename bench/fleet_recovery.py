@@ -119,7 +119,10 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
             "versions": sorted({d.fields["version"] for d in decisions if d.what == "stage"}),
             "whole_phase": {"window_s": [phase["start_s"], end], **whole},
         })
+    learning = ("stale", "reprofile", "recall", "latency_forgotten", "roll_back")
     return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
+            "decisions": {what: sum(1 for d in decisions if d.what == what)
+                          for what in learning},
             "phases": rows}
 
 

@@ -8,6 +8,7 @@ than the key's latest claim before it, every control by the replica that made th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -254,11 +256,13 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
             assert not engine.engine.switch.forced
 
 
-def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, tmp_path,
-                                                                unique_name):
-    settings = topic_settings
+@contextlib.contextmanager
+def two_replicas_serving_two_keys(settings: Settings, tmp_path: Path, group: str,
+                                  ) -> Iterator[tuple[list[Replica], list[Fleet], list[TableKey]]]:
+    """Two replicas on short sessions, settled, and a one-engine fleet on each of two keys
+    (one key per replica's slot); the replicas are stopped on the way out."""
     keys = keys_in_slots([0, 1])  # one each
-    replicas = [Replica(settings, tmp_path / f"control-{i}.log", unique_name,
+    replicas = [Replica(settings, tmp_path / f"control-{i}.log", group,
                         session_s=SHORT_SESSION_S) for i in range(2)]
     try:
         for replica in replicas:
@@ -267,6 +271,17 @@ def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, 
         fleets = [fleet_for(key, 1, settings, duration_s=200.0) for key in keys]
         for fleet in fleets:
             fleet.start()
+        yield replicas, fleets, keys
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, tmp_path,
+                                                                unique_name):
+    settings = topic_settings
+    with two_replicas_serving_two_keys(settings, tmp_path, unique_name) as (replicas, fleets,
+                                                                           keys):
         target = keys[0]
         assert wait_for(lambda: any(isinstance(m, TableEnvelope) and m.key == target
                                     for m in tables_log(settings)), 60)
@@ -291,9 +306,6 @@ def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, 
         assert line.endswith("(live)"), line
         for fleet in fleets:
             fleet.join()
-    finally:
-        for replica in replicas:
-            replica.stop()
     log = tables_log(settings)
     assert one_writer(log) == [], "\n".join(one_writer(log))
     events = status_events(settings)
@@ -304,18 +316,9 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
     """SIGSTOP past the session timeout (4 times it), then SIGCONT: the stalled replica's
     keys were claimed meanwhile, and nothing it sends afterwards is applied."""
     settings = topic_settings
-    keys = keys_in_slots([0, 1])
-    replicas = [Replica(settings, tmp_path / f"control-{i}.log", unique_name,
-                        session_s=SHORT_SESSION_S) for i in range(2)]
-    try:
-        for replica in replicas:
-            replica.start()
-        assert wait_for(lambda: settled(replicas), 60), [r.log() for r in replicas]
-        fleets = [fleet_for(key, 1, settings, duration_s=200.0) for key in keys]
-        for fleet in fleets:
-            fleet.start()
+    with two_replicas_serving_two_keys(settings, tmp_path, unique_name) as (replicas, fleets,
+                                                                           keys):
         target = keys[0]
-
 
         def profiling() -> Replica | None:  # mid-profile: the owner has forces left to send
             return next((r for r in replicas if f"{target}: profile at" in r.log()
@@ -333,9 +336,6 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
         assert wait_for(lambda: "the group expired this member" in owner.log(), 30), owner.log()
         for fleet in fleets:
             fleet.join()
-    finally:
-        for replica in replicas:
-            replica.stop()
     log = tables_log(settings)
     events = status_events(settings)
     # at most the message in flight at the stop reached the log after the survivor's claim

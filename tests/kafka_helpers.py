@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 
 from schemas import STEP_RECORD_SCHEMA, decode_frame
 from schemas.settings import Settings
+
+T = TypeVar("T")
 
 
 def read_telemetry(bootstrap: str, *, topic: str = "tabletune.telemetry",
@@ -49,6 +52,18 @@ def read_telemetry(bootstrap: str, *, topic: str = "tabletune.telemetry",
                                                  ("step_seq", "ascending")])
     finally:
         consumer.close()
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, step_s: float = 0.25) -> T:
+    """Polls `predicate` every `step_s` until it returns something truthy, which it returns;
+    past `timeout_s`, whatever it returns then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    return predicate()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:

@@ -28,6 +28,7 @@ from controller.fleet.table_log import read_topic
 from schemas import TableControl, TableEnvelope, TableKey, parse_table_message
 from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
+from tests.kafka_helpers import wait_for
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
@@ -121,16 +122,6 @@ class Replica:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def wait_for(predicate: Any, timeout_s: float, step_s: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    return predicate()
 
 
 def tables_log(settings: Settings) -> list[TableEnvelope | TableControl]:

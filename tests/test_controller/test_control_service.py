@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
 from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
+from tests.kafka_helpers import wait_for
 from tests.test_controller.test_closed_loop import ngram_chat_to_code
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
@@ -56,16 +56,6 @@ def tables_log(settings: Settings) -> list[Any]:
 def status_events(settings: Settings) -> list[dict[str, Any]]:
     return [json.loads(m.value) for m in read_topic(
         settings, settings.topics.status, idle_polls=2, timeout_s=10)]
-
-
-def wait_for(predicate: Any, timeout_s: float, step_s: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    return predicate()
 
 
 class ControlProcess:

@@ -317,7 +317,8 @@ def test_published_table_changes_k_and_bad_tables_are_rejected(engine, hook_brok
             "tabletune.tables", key=TABLE_KEY.encode(),
             value=_envelope(5, good, key="other|ngram|test-cpu").signed(
                 "k1", CONTROL_KEY).to_json()).get(timeout=10)),
-        1: ("stale_version", lambda: publish(settings, _envelope(1, [[1, 16, 1]]))),
+        # version 1 again with another table: two writers' copies, not an old one
+        1: ("version_conflict", lambda: publish(settings, _envelope(1, [[1, 16, 1]]))),
         6: ("unsigned", lambda: publish(unsigned, _envelope(6, good))),
         7: ("unknown_key", lambda: publish(
             Settings(bootstrap_servers=settings.bootstrap_servers, signing_key_id="k9",

@@ -58,6 +58,18 @@ __all__ = ["Ingestor", "Stage"]
 
 log = logging.getLogger(__name__)
 
+REBALANCE_TIMEOUT_MS = 30_000
+"""max_poll_interval_ms, which kafka-python sends as the JoinGroup's rebalance timeout: how
+long Apache Kafka holds a rebalance for a member gone in mid-join (kafka-python's 300 s
+default held the group five minutes). The loop polls every 200 ms; no window takes 30 s."""
+STOP_JOIN_WAIT_S = 15.0
+"""A stop during a rebalance polls up to this long for the join to end before leaving: a
+LeaveGroup sent behind an in-flight JoinGroup waits on the coordinator's connection until
+that join completes, then leaves a generation it was just made a member of."""
+CLOSE_TIMEOUT_MS = 10_000
+"""The most close() waits for the LeaveGroup's answer: the session timeout ends the
+membership anyway."""
+
 Stage = str
 """'temp_written', 'renamed', 'dlq_flushed', 'committed' — for fault-injection in tests."""
 
@@ -152,10 +164,12 @@ class Ingestor:
                 if until_idle is not None and idle_for >= until_idle and not self._windows \
                         and not self._rewind and self._catch_up.caught_up(consumer):
                     break
+            if self._stop:
+                self._finish_join(consumer)
             if not self._rewind:
                 self._close_windows(force=True)
         finally:
-            consumer.close(autocommit=False)
+            consumer.close(autocommit=False, timeout_ms=CLOSE_TIMEOUT_MS)
             self._dead_letters.close()
             self._store.release()
         return self.counters
@@ -176,6 +190,22 @@ class Ingestor:
                      type(exc).__name__, exc)
             return
         self.counters.lag_records = lag
+
+    def _finish_join(self, consumer: KafkaConsumer) -> None:
+        """Stopped during a rebalance: poll until the join ends (STOP_JOIN_WAIT_S), so that
+        close() leaves a settled generation in one rebalance instead of queueing its
+        LeaveGroup behind the JoinGroup. What the polls return is not kept: uncommitted."""
+        if not self._changes.joining:
+            return
+        self._rewind = True  # the join moves the assignment: no open window is ours
+        deadline = time.monotonic() + STOP_JOIN_WAIT_S
+        while self._changes.joining and time.monotonic() < deadline:
+            try:
+                consumer.poll(timeout_ms=200)
+            except KafkaError as exc:
+                if not transient(exc):
+                    raise
+                return  # no broker answers: nothing to leave cleanly
 
     # ---- rebalance ------------------------------------------------------------------------
     def _assignment_moved(self) -> bool:

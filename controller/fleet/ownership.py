@@ -15,9 +15,9 @@ the replica sends carries the epoch, and engines refuse an older one once a newe
 claimed the key (`controller.engine.agent`).
 
 A member acts only while its lease holds: its last acknowledged heartbeat is younger than
-`LEASE_SHARE` of the session timeout, so the coordinator cannot have expired it yet. A
-process that was stopped (SIGSTOP, a long pause) wakes past its lease and sends nothing until
-the group has told it what it still owns.
+`LEASE_SHARE` of the session timeout, so the coordinator cannot have expired it yet, and no
+rebalance is pending. A process that was stopped (SIGSTOP, a long pause) wakes past its
+lease and sends nothing until the group has told it what it still owns.
 """
 
 from __future__ import annotations
@@ -104,7 +104,9 @@ class Ownership(ConsumerRebalanceListener):
             consumer.close()
             raise RuntimeError(f"ownership topic {self.topic} has no partitions")
         self.slot_count = len(partitions)
-        _ack_time(consumer)  # fails now, not at the first send, on a client without it
+        # fail now, not at the first send, on a client without them
+        _ack_time(consumer)
+        _stable(consumer)
         consumer.subscribe([self.topic], listener=self)
         self._consumer = consumer
         self._beat = time.monotonic()
@@ -170,7 +172,10 @@ class Ownership(ConsumerRebalanceListener):
         if self._consumer is None:
             return False
         age_s = time.monotonic() - _ack_time(self._consumer)
-        return age_s < LEASE_SHARE * self.config.session_timeout_ms / 1000
+        # read after the acknowledgement: kafka-python flags the rejoin before it counts a
+        # "rebalancing" answer as a heartbeat, so a fresh answer of that kind is seen here
+        return (age_s < LEASE_SHARE * self.config.session_timeout_ms / 1000
+                and _stable(self._consumer))
 
     @contextmanager
     def holding(self, key: TableKey) -> Iterator[int | None]:
@@ -224,6 +229,14 @@ class Ownership(ConsumerRebalanceListener):
             pass  # another replica created it first
         finally:
             admin.close()
+
+
+def _stable(consumer: KafkaConsumer) -> bool:
+    """Whether the member is in a generation with nothing pending: kafka-python counts a
+    heartbeat answered "the group is rebalancing" as acknowledged (it keeps a member's
+    session alive), though a newer generation may already have given its slots away."""
+    coordinator = consumer._coordinator
+    return bool(coordinator.stable() and not coordinator.rejoin_needed)
 
 
 def _ack_time(consumer: KafkaConsumer) -> float:

@@ -68,16 +68,19 @@ def scenario(trace: str, method: str, concurrency: int, duration_s: float,
 
 def measure(trace: str, method: str, *, loads: tuple[int, ...], duration_s: float,
             budget_s: float, seed: int, table_dir: Path,
-            shape: str | None = None) -> dict[str, Any]:
-    """Profile once, then every load under the table and under each fixed K."""
+            shape: str | None = None,
+            profile_loads: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Profile once (at `profile_loads` only, as a live key's traffic allows, or over the
+    sweep's own concurrencies), then every load under the table and under each fixed K."""
     started = time.monotonic()
     cost_table = None
     if shape is not None:
         cost_table = table_dir / f"{shape}-{method}.csv"
         cost_table.parent.mkdir(parents=True, exist_ok=True)
         write_latency_table(gpu_shaped_table(shape, method, max_k=MAX_K), cost_table)
+    sweep = {} if profile_loads is None else {"concurrencies": profile_loads}
     result = profile(scenario(trace, method, loads[0], duration_s, seed + 1000, cost_table),
-                     budget_s=budget_s, out_dir=table_dir)
+                     budget_s=budget_s, out_dir=table_dir, **sweep)
     profile_wall = time.monotonic() - started
     table_policy = f"table:{result.path}"
     rows = []
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the GPU-shaped tables, or all of them")
     parser.add_argument("--loads", type=int, nargs="+", default=None,
                         help=f"concurrencies (default {' '.join(map(str, CONCURRENCIES))})")
+    parser.add_argument("--profile-loads", type=int, nargs="+", default=None,
+                        help="profile at these concurrencies only (a live key sees the load "
+                        "it has), then score every load; default: the sweep's own")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None, help="write JSON, markdown and tables here")
     args = parser.parse_args(argv)
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results = [measure(trace, method, loads=loads, duration_s=duration,
                        budget_s=args.budget_s, seed=args.seed, shape=shape,
+                       profile_loads=tuple(args.profile_loads) if args.profile_loads else None,
                        table_dir=base / "tables" / f"{shape or 'linear'}-{trace}-{method}")
                for shape in shapes for trace in traces for method in methods]
     ratios = [row["ratio"] for r in results for row in r["loads"]]
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.profile_quality " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "traces_found": DATA.exists(), "duration_s": duration, "budget_s": args.budget_s,
-        "seed": args.seed, "mean_ratio": round(statistics.fmean(ratios), 4),
+        "seed": args.seed, "profile_loads": args.profile_loads, "mean_ratio": round(statistics.fmean(ratios), 4),
         "worst_ratio": min(ratios), "all_meet_target": all(r["meets_target"] for r in results),
         "wall_s": round(time.monotonic() - started, 1), "results": results,
     }

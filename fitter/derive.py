@@ -1,6 +1,6 @@
 """From a goodput surface to a draft table: K*(B) = argmax_K G(B, K), as few ranges as possible.
 
-Two rules beyond the argmax, and why:
+Rules beyond the argmax, and why:
 - Within `tolerance` of the best goodput, smaller K wins. The surface is an estimate; at equal
   predicted goodput a smaller K spends less target compute, wastes fewer drafts if acceptance
   drops, and is the cheaper mistake - but only by the step time it saves, so a smaller K's
@@ -13,6 +13,10 @@ Two rules beyond the argmax, and why:
   it from the row's best (`indistinguishable`), and among the fewest-range tables the one with
   the least predicted loss wins: a range boundary then only stands where the data says K
   changes there, so an A-B-A pattern needs the data to demand it.
+- Past the largest request count of data that never varied it, K is chosen on its worse
+  share of the best under two readings of that data (`robust_goodput`): a fit at one load
+  cannot tell a per-request cost from the per-step one, and either guess alone picks K far
+  off at 16x the load.
 The envelope also carries the surface (so the controller can compare live goodput against the
 prediction) and an exploration plan (where another K most plausibly beats the chosen one).
 """
@@ -45,6 +49,10 @@ ranges: one standard error of the difference is where a ranking is a coin toss a
 MAX_MERGE_LOSS = 0.02
 """... but never at more than this predicted loss, however uncertain the fit: a wide error far
 from the measured batch sizes must not flatten a table into one K predicted 5% worse."""
+UNMEASURED_SMOOTHING = 1.25
+"""Past the measured request count, K is chosen on goodput averaged over batch sizes within
+this factor: the fit's step features jump there by 10% between neighbours (a profile at
+one user), which made K flicker over 20 ranges."""
 SERVED_SHARE = 0.01
 """A batch size that ran at least this share of the fit's steps keeps its argmax: there the
 traffic runs the table's choice and pays a merge's loss (at 16 users the suite's EAGLE
@@ -134,6 +142,43 @@ def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
     mean, sd = surface.log_ratio_vs(best)
     close = (mean >= -z * sd) & (mean >= np.log1p(-max_loss))
     return close if served is None else close & ~served[:, None]
+
+
+def robust_goodput(surface: GoodputSurface) -> NDArray[np.float64]:
+    """The goodput a table is chosen on: the fitted surface, except past the largest
+    request count of data that never varied it (`GoodputSurface.measured_requests`).
+
+    There the fit cannot tell a per-request cost from the per-step cost, so it has two
+    readings: the fit's own, where the step grows by that cost with every request (drafts
+    look free, or, booked on the drafter, drafting looks ruinous), and `held_latency_s`,
+    where only batched tokens, KV and draft passes grow. Each K is scored by its worse
+    share of the best K under either reading, scaled to the fit's best: the K that stays
+    close under both (the cheaper mistake) wins over one that is best under one reading and
+    far off under the other."""
+    goodput = surface.goodput_tok_s
+    if surface.held_latency_s is None or surface.measured_requests is None:
+        return goodput
+    unmeasured = surface.batch_sizes > surface.measured_requests
+    if not unmeasured.any():
+        return goodput
+    held = goodput * surface.latency_s / surface.held_latency_s
+    best = goodput.max(axis=1, keepdims=True)
+    worse_share = np.minimum(
+        _neighbourhood_mean(goodput / best, surface.batch_sizes),
+        _neighbourhood_mean(held / held.max(axis=1, keepdims=True), surface.batch_sizes))
+    return np.where(unmeasured[:, None], worse_share * best, goodput)
+
+
+def _neighbourhood_mean(share: NDArray[np.float64],
+                        batch_sizes: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Each row averaged with the rows within `UNMEASURED_SMOOTHING` of its batch size: a
+    reading extrapolated far from its data jumps where its knots do, and an unmeasured
+    batch size is not known well enough for K to follow each jump."""
+    sizes = batch_sizes.astype(np.float64)
+    low = np.searchsorted(sizes, sizes / UNMEASURED_SMOOTHING, side="left")
+    high = np.searchsorted(sizes, sizes * UNMEASURED_SMOOTHING, side="right")
+    cumulative = np.vstack([np.zeros((1, share.shape[1])), np.cumsum(share, axis=0)])
+    return (cumulative[high] - cumulative[low]) / (high - low)[:, None]
 
 
 def tolerance_margins(goodput: NDArray[np.float64], tolerance: float,
@@ -273,10 +318,19 @@ def derive_envelope(
     k_values = candidate_k_values(startup_k_values, max_k)
     batch_sizes = np.arange(1, max_batch + 1)
     surface = fit.evaluate(batch_sizes, k_values)
-    chosen = choose_k(surface.goodput_tok_s, tolerance=tolerance, fewest_ranges=fewest_ranges,
-                      latency=surface.latency_s,
-                      indistinct=None if merge_z is None else indistinguishable(
-                          surface, merge_z, served=_served(fit, max_batch)))
+    decision = robust_goodput(surface)
+    near = decision >= (1.0 - MAX_MERGE_LOSS) * decision.max(axis=1, keepdims=True)
+    indistinct = None
+    if merge_z is not None:
+        # where the choice is robust, a merge may not give up more than it would elsewhere
+        indistinct = near & indistinguishable(surface, merge_z,
+                                              served=_served(fit, max_batch))
+    if surface.measured_requests is not None and max_batch > surface.measured_requests:
+        # unmeasured batch sizes are not known to 1%: any K near the robust best may merge
+        unmeasured = near & (batch_sizes > surface.measured_requests)[:, None]
+        indistinct = unmeasured if indistinct is None else indistinct | unmeasured
+    chosen = choose_k(decision, tolerance=tolerance, fewest_ranges=fewest_ranges,
+                      latency=surface.latency_s, indistinct=indistinct)
     dense = [0, *(int(k) for k in k_values[chosen])]
     table = DraftTable.from_dense(dense).validate(int(k_values.max()), max_batch)
     predicted = surface.goodput_tok_s[np.arange(max_batch), chosen]

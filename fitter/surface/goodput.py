@@ -69,6 +69,14 @@ class GoodputSurface:
     share_log_gradient: NDArray[np.float64] | None = None
     """d log G / d s per cell, shape (B, K); None when s is known exactly."""
     share_var: float = 0.0
+    held_latency_s: NDArray[np.float64] | None = None
+    """Step time per cell with the per-request terms held at the largest measured request
+    count (`StepLatencyModel.predict_held`); None when not evaluated."""
+    measured_requests: int | None = None
+    """The largest request count the latency data measured, when the data could not tell
+    the per-request terms from the per-step ones (`StepLatencyModel.requests_identified_`):
+    past it the fit's latency is a guess and `held_latency_s` the cautious reading. None
+    when the request count was identified."""
 
     def log_ratio_vs(self, chosen_index: ArrayLike, margin: float = 0.0,
                      ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -184,6 +192,7 @@ def evaluate_surface(
     design = latency_design(X, latency.knots_)
     latency_s = (design @ latency.coef_).reshape(grid_b.shape)
     latency_s = np.maximum(latency_s, 1e-9)
+    held_latency_s = np.maximum(latency.predict_held(X).reshape(grid_b.shape), 1e-9)
     log_gradient = design.reshape(*grid_b.shape, -1) / latency_s[..., None]
     param_var_log_t = np.einsum("bkp,pq,bkq->bk", log_gradient, latency.coef_covariance_,
                                 log_gradient)
@@ -235,4 +244,7 @@ def evaluate_surface(
         tokens_per_request=tokens,
         share_log_gradient=share_gradient,
         share_var=share_var,
+        held_latency_s=held_latency_s,
+        measured_requests=(None if latency.requests_identified_
+                           else int(latency.max_measured_requests_)),
     )

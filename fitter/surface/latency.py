@@ -52,6 +52,16 @@ _DRAFTER_ON_OFF_FEATURES = ("kv_tokens_if_drafting", "drafter_launch", "requests
 """Identifiable only when some steps ran without the drafter; otherwise they are the
 intercept and the KV slope under another name."""
 UNIFORM_SD = 1.0 / np.sqrt(12.0)
+HELD_FEATURES = ("batch_size", "requests_if_drafting")
+"""Per-request terms that do not depend on K. At one load the request count hardly varies,
+so the fit cannot tell them from the per-step intercept; past the largest measured count
+they are the guess that makes drafts look free (`StepLatencyModel.predict_held`)."""
+MEASURED_CELL_WEIGHT = 0.5
+"""A latency cell counts as measured with this saturated weight (ten steps at the default
+saturation): one stray step at a batch size does not make it known."""
+REQUEST_SPREAD = 2.0
+"""Measured request counts at least this factor apart identify the per-request terms: the
+drift detector's coverage factor, the step at which a load counts as another."""
 HEAVY_KNOT_SHARE = 0.02
 """A batched-token value with this share of the latency weight gets its own knot: a
 profile's 16 cells hold ~6% each, a refit's busy batch sizes a few percent."""
@@ -238,6 +248,10 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         self.drafter_off_observed_ = drafter_off_seen
         self.drafter_on_observed_ = drafter_on_seen
         self.max_batched_tokens_ = float(tokens.max())
+        requests = matrix[:, _DECODE] + matrix[:, _PREFILL_REQS]
+        measured = weight >= min(MEASURED_CELL_WEIGHT, float(weight.max()))
+        self.max_measured_requests_ = int(max(requests[measured].max(), 1.0))
+        self.min_measured_requests_ = int(max(requests[measured].min(), 1.0))
         self.n_features_in_ = int(n_columns)
         return self
 
@@ -246,6 +260,29 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "coef_")
         matrix = latency_matrix(X)
         return latency_design(matrix, self.knots_) @ self.coef_
+
+    def predict_held(self, X: ArrayLike) -> NDArray[np.float64]:
+        """Expected step latency (s) with the K-independent per-request terms
+        (`HELD_FEATURES`) counting at most `max_measured_requests_` requests: the other
+        reading of data that never varied the request count, where the growth past it comes
+        only from batched tokens, KV and draft passes. Equal to `predict` up to there."""
+        check_is_fitted(self, "coef_")
+        matrix = latency_matrix(X)
+        design = latency_design(matrix, self.knots_)
+        offset = 1 + 2 * self.knots_.size - 1
+        requests = matrix[:, _DECODE] + matrix[:, _PREFILL_REQS]
+        scale = np.divide(np.minimum(requests, self.max_measured_requests_), requests,
+                          out=np.ones_like(requests), where=requests > 0)
+        for name in HELD_FEATURES:
+            design[:, offset + NON_HINGE_FEATURES.index(name)] *= scale
+        return design @ self.coef_
+
+    @property
+    def requests_identified_(self) -> bool:
+        """Whether the measured request counts spread wide enough (`REQUEST_SPREAD`) to
+        tell the per-request terms from the per-step ones."""
+        check_is_fitted(self, "coef_")
+        return self.max_measured_requests_ >= REQUEST_SPREAD * self.min_measured_requests_
 
     def predict_std(self, X: ArrayLike) -> NDArray[np.float64]:
         """Standard error (s) of the expected latency: coefficient uncertainty plus what the

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from fitter.derive import (
+    DEFAULT_MERGE_Z,
     candidate_k_values,
     choose_k,
     derive_envelope,
@@ -23,6 +24,8 @@ from fitter.surface.synthetic import (
 )
 from schemas.envelope import TableEnvelope, TableKey
 from tests.test_fitter.conftest import MAX_BATCH, MAX_K
+from tests.test_fitter.test_latency_memory import CONTEXT
+from tests.test_fitter.test_latency_memory import _records as one_load_records
 
 KEY = TableKey("llama-3.1-8b", "eagle", "h100")
 # docs/TWIN.md, calibration: ShareGPT EAGLE at 512 context, best fixed K per batch size.
@@ -272,3 +275,30 @@ def test_loop_tables_have_no_more_ranges_than_the_fit_supports(all_k_fit: Surfac
              / _true_goodput(np.full(MAX_K + 1, b), np.arange(MAX_K + 1)).max()
              for b in KNOWN_BEST_K}
     assert min(truth.values()) > 0.97, truth
+
+
+@pytest.mark.parametrize("load", [1, 16])
+def test_batch_sizes_past_a_single_measured_load_take_the_cheaper_mistake(load: int) -> None:
+    # a live key at one load: the fit cannot tell a request's cost from a step's, and read
+    # its own way it makes drafts look free far past the load it saw
+    fit = fit_surface(one_load_records(1, load, load), max_k=MAX_K, max_batch=MAX_BATCH,
+                      half_life_s=None)
+    assert not fit.latency.requests_identified_
+    envelope = derive_envelope(fit, key=KEY, version=1, max_k=MAX_K, max_batch=MAX_BATCH,
+                               startup_k_values=range(MAX_K + 1), tolerance=0.0,
+                               merge_z=DEFAULT_MERGE_Z)
+    surface = fit.evaluate(np.arange(1, MAX_BATCH + 1), np.arange(MAX_K + 1))
+    optimistic = choose_k(surface.goodput_tok_s, tolerance=0.0, latency=surface.latency_s)
+    k = np.arange(MAX_K + 1)
+
+    def share_of_best(batch: int, chosen: int) -> float:
+        latency = H100_EAGLE.decode_latency_s(np.full(k.size, batch), k, CONTEXT)
+        goodput = batch * true_acceptance_length(SHAREGPT_EAGLE_CONDITIONAL, k) / latency
+        return float(goodput[chosen] / goodput.max())
+
+    unmeasured = (64, 128, 256)
+    table = min(share_of_best(b, envelope.table.k_for(b)) for b in unmeasured)
+    fitted = min(share_of_best(b, int(optimistic[b - 1])) for b in unmeasured)
+    assert table >= 0.93
+    assert fitted <= table - 0.05
+    assert len(envelope.table.to_vllm()) <= 6

@@ -189,3 +189,19 @@ def test_legacy_layout_without_draft_tokens(linear_cells) -> None:
     grid = decode_matrix(np.arange(1, 257), 3, 512.0)
     np.testing.assert_allclose(legacy.predict(grid[:, :-1]), full.predict(grid), rtol=1e-9)
     np.testing.assert_allclose(legacy.predict(grid), full.predict(grid), rtol=1e-9)
+
+
+def test_the_held_reading_differs_only_past_the_measured_request_count(linear_cells) -> None:
+    X, y, weight = linear_cells
+    wide = StepLatencyModel().fit(X, y, sample_weight=weight)
+    assert wide.requests_identified_  # batch sizes 1..256 tell a request from a step
+    one_load = X[:, 0] + X[:, 4] == 16
+    narrow = StepLatencyModel().fit(X[one_load], y[one_load], sample_weight=weight[one_load])
+    assert not narrow.requests_identified_
+    assert narrow.max_measured_requests_ == 16
+    k = np.arange(8)
+    for batch, same in ((8, True), (16, True), (64, False), (256, False)):
+        rows = decode_matrix(np.full(k.size, batch), k, 512.0)
+        held, fitted = narrow.predict_held(rows), narrow.predict(rows)
+        assert np.allclose(held, fitted) == same
+        assert (held <= fitted + 1e-12).all()  # the held terms only ever count fewer

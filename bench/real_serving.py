@@ -40,7 +40,7 @@ from bench.real_engine import startup_table
 from bench.serving_arm import ArmContext, ArmError, ArmRun, run_arm, status_events
 from bench.serving_plan import (
     FIXED_K,
-    FULL_PHASES,
+    PLANS,
     QUICK_PHASES,
     Phase,
     plan_dict,
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     work = Path(args.work or tempfile.mkdtemp(prefix="tabletune-real-serving-"))
     setup = build_model(args, work)
     built_s = time.monotonic() - t0
-    phases = QUICK_PHASES if args.quick else FULL_PHASES
+    phases = QUICK_PHASES if args.quick else PLANS[args.plan]
     table0 = startup_table(MAX_K, MAX_NUM_SEQS)
     slots = schedule(args.arms, args.repeats, args.fixed_repeats)
     runs: list[ArmRun] = []
@@ -208,6 +208,7 @@ def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...
             "dtype": setup.dtype, "max_num_seqs": setup.max_num_seqs, "max_k": setup.max_k,
             "max_model_len": setup.max_model_len, "startup_table": table0,
             "static_table": static_table(setup.max_num_seqs, setup.max_k),
+            "plan": "quick" if args.quick else args.plan,
             "phases": described, "arms": args.arms, "repeats": args.repeats,
             "fixed_repeats": args.fixed_repeats, "lead_s": lead,
             "measure_s": {"tabletune": args.measure_s, "fixed": args.fixed_measure_s},
@@ -236,6 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="--quick: a tiny model folder already built by "
                              "tabletune.tiny_models (default: build one under --work)")
+    parser.add_argument("--plan", choices=sorted(PLANS), default="low-high-long",
+                        help="the phases (default low-high-long: 2, 16, then 6 in flight with "
+                             "4x longer prompts; one-sixteen-one: 1, 16, 1 in flight)")
     parser.add_argument("--arms", nargs="+", default=None, help=f"default: {ALL_ARMS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     parser.add_argument("--fixed-repeats", type=int, default=None,

@@ -75,6 +75,17 @@ FULL_PHASES = (
 moderate load. The rates are above what the self-speculative pair serves on 2 cores (the
 expected tokens/s only size a phase when it was not probed)."""
 
+SWING_PHASES = (
+    Phase("one", 64, 96, 1, 1.0, 20.0, 1),
+    Phase("sixteen", 64, 96, 16, 6.0, 80.0, 2),
+    Phase("one-again", 64, 96, 1, 1.0, 20.0, 3),
+)
+"""One request in flight, sixteen, then one again: a cold profile at one request sees no
+other batch size, and the best K moves between the phases."""
+
+PLANS = {"low-high-long": FULL_PHASES, "one-sixteen-one": SWING_PHASES}
+"""The full run's phase plans, by name (`--plan`)."""
+
 QUICK_PHASES = (Phase("mixed", 32, 64, 4, 4.0, 256.0, 1),)
 """Paced by its arrivals (4 req/s x 64 tokens, below the tiny model's capacity), so its
 length holds on a faster or slower machine: the profile must end inside it."""

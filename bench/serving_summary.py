@@ -94,6 +94,10 @@ def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict
     best = max(known, key=lambda a: rates[a] or 0.0)
     run: dict[str, Any] = {"work_tokens": work, "tok_s": rates, "best_fixed": best,
                            "best_fixed_tok_s": rates[best]}
+    # what a table could win: each phase at its own best fixed K, over the best single K
+    per_phase_best = sum(work.values()) / sum(
+        work[p] / out["per_phase"][p]["best_fixed_tok_s"] for p in phase_names)
+    run["headroom"] = round(per_phase_best / rates[best], 3)
     for arm in ("tabletune", "static"):
         if arm in arms and rates[arm] is not None:
             run[f"{arm}_ratio"] = round(rates[arm] / rates[best], 3)

@@ -146,13 +146,15 @@ def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
 
 def robust_goodput(surface: GoodputSurface) -> NDArray[np.float64]:
     """The goodput a table is chosen on: the fitted surface, except past the largest
-    request count of data that never varied it (`GoodputSurface.measured_requests`).
+    request count of data whose request counts spread less than 2x
+    (`GoodputSurface.measured_requests`).
 
     There the fit cannot tell a per-request cost from the per-step cost, so it has two
     readings: the fit's own, where the step grows by that cost with every request (drafts
     look free, or, booked on the drafter, drafting looks ruinous), and `held_latency_s`,
     where only batched tokens, KV and draft passes grow. Each K is scored by its worse
-    share of the best K under either reading, scaled to the fit's best: the K that stays
+    share of the best K under either reading (each share averaged over batch sizes within
+    `UNMEASURED_SMOOTHING`), scaled to the fit's best: the K that stays
     close under both (the cheaper mistake) wins over one that is best under one reading and
     far off under the other."""
     goodput = surface.goodput_tok_s
@@ -175,6 +177,8 @@ def _neighbourhood_mean(share: NDArray[np.float64],
     reading extrapolated far from its data jumps where its knots do, and an unmeasured
     batch size is not known well enough for K to follow each jump."""
     sizes = batch_sizes.astype(np.float64)
+    if (np.diff(sizes) <= 0).any():
+        raise ValueError("batch sizes must be strictly increasing")
     low = np.searchsorted(sizes, sizes / UNMEASURED_SMOOTHING, side="left")
     high = np.searchsorted(sizes, sizes * UNMEASURED_SMOOTHING, side="right")
     cumulative = np.vstack([np.zeros((1, share.shape[1])), np.cumsum(share, axis=0)])
@@ -319,16 +323,20 @@ def derive_envelope(
     batch_sizes = np.arange(1, max_batch + 1)
     surface = fit.evaluate(batch_sizes, k_values)
     decision = robust_goodput(surface)
-    near = decision >= (1.0 - MAX_MERGE_LOSS) * decision.max(axis=1, keepdims=True)
+    served = _served(fit, max_batch)
     indistinct = None
     if merge_z is not None:
-        # where the choice is robust, a merge may not give up more than it would elsewhere
-        indistinct = near & indistinguishable(surface, merge_z,
-                                              served=_served(fit, max_batch))
+        indistinct = indistinguishable(surface, merge_z, served=served)
     if surface.measured_requests is not None and max_batch > surface.measured_requests:
         # unmeasured batch sizes are not known to 1%: any K near the robust best may merge
-        unmeasured = near & (batch_sizes > surface.measured_requests)[:, None]
-        indistinct = unmeasured if indistinct is None else indistinct | unmeasured
+        rows = batch_sizes > surface.measured_requests
+        if served is not None:
+            rows &= ~served
+        # (the fit's own standard errors there judge its own reading, not the robust one)
+        near = decision >= (1.0 - MAX_MERGE_LOSS) * decision.max(axis=1, keepdims=True)
+        unmeasured = near & rows[:, None]
+        indistinct = (unmeasured if indistinct is None
+                      else np.where(rows[:, None], unmeasured, indistinct))
     chosen = choose_k(decision, tolerance=tolerance, fewest_ranges=fewest_ranges,
                       latency=surface.latency_s, indistinct=indistinct)
     dense = [0, *(int(k) for k in k_values[chosen])]

@@ -58,7 +58,8 @@ so the fit cannot tell them from the per-step intercept; past the largest measur
 they are the guess that makes drafts look free (`StepLatencyModel.predict_held`)."""
 MEASURED_CELL_WEIGHT = 0.5
 """A latency cell counts as measured with this saturated weight (ten steps at the default
-saturation): one stray step at a batch size does not make it known."""
+saturation), or half the heaviest cell's where none has it: one stray step at a batch size
+does not make it known."""
 REQUEST_SPREAD = 2.0
 """Measured request counts at least this factor apart identify the per-request terms: the
 drift detector's coverage factor, the step at which a load counts as another."""
@@ -248,8 +249,13 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         self.drafter_off_observed_ = drafter_off_seen
         self.drafter_on_observed_ = drafter_on_seen
         self.max_batched_tokens_ = float(tokens.max())
+        # the request counts of decode cells with weight (a prefill-only cell says little
+        # of what a request in flight costs); of the heaviest ones when none has ten steps
         requests = matrix[:, _DECODE] + matrix[:, _PREFILL_REQS]
-        measured = weight >= min(MEASURED_CELL_WEIGHT, float(weight.max()))
+        decoding = (matrix[:, _DECODE] > 0) & (weight > 0)
+        pool = weight[decoding] if decoding.any() else weight
+        bar = min(MEASURED_CELL_WEIGHT, 0.5 * float(pool.max()))
+        measured = (decoding if decoding.any() else weight > 0) & (weight >= bar)
         self.max_measured_requests_ = int(max(requests[measured].max(), 1.0))
         self.min_measured_requests_ = int(max(requests[measured].min(), 1.0))
         self.n_features_in_ = int(n_columns)

@@ -90,10 +90,14 @@ def test_after_a_load_jump_tabletune_runs_near_the_best_fixed_k() -> None:
                     prompt_len=355, output_len=300),
         PhaseConfig(name="c64", duration_s=100, concurrency=64, acceptance=EAGLE,
                     prompt_len=355, output_len=300)))
-    policy, tt, _ = tabletune_and_stale(scenario, drift_s=70.0)
+    policy = TabletunePolicy()
+    tt = run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
     fitted_at_8 = [table for at, _, table in policy.loop.applied if at <= 70.0][-1]
     assert fitted_at_8.k_for(64) < fitted_at_8.k_for(8), fitted_at_8
-    best = max(rate(run_scenario(scenario, f"fixed:{k}"), 120.0, 170.0) for k in range(8))
+    # the best fixed K at 64 users is K4 here (K3 and K5 within 1.3%)
+    best = max(rate(run_scenario(scenario, f"fixed:{k}"), 120.0, 170.0) for k in range(2, 7))
     tt_rate = rate(tt, 120.0, 170.0)
     assert tt_rate >= 0.98 * best, (tt_rate, best, policy.loop.decisions)
 

@@ -297,6 +297,9 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
         **({} if fit.request_spread is None
            else {"request_spread": _spread(fit.request_spread)}),
         "latency_residual_scale": _round(fit.latency.residual_scale_),
+        # past it the table is the robust choice of two readings (`robust_goodput`)
+        **({} if surface.measured_requests is None
+           else {"measured_requests": int(surface.measured_requests)}),
     }
 
 

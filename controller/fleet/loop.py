@@ -63,7 +63,7 @@ from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
-from controller.fleet.refit_gate import predicted_gain
+from controller.fleet.refit_gate import predicted_gain, running_unmeasured
 from controller.fleet.regimes import (
     RECALL_TRUST_S,
     SIGNATURE_S,
@@ -449,12 +449,16 @@ class ClosedLoop:
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.publisher.running_table()
         gain, stderr = predicted_gain(envelope, current, batch[-2000:])
+        seconds = records.column("ts_ns").to_numpy() / 1e9
+        unmeasured = running_unmeasured(self.publisher.agent.desired(),
+                                        batch[seconds >= seconds.max() - cfg.refit_interval_s])
         self._decisions.note(now_s, What.REFIT, reason=reason, version=version,
                              gain=round(gain, 4), gain_stderr=round(stderr, 4),
-                             records=records.num_rows)
+                             records=records.num_rows,
+                             **({"running_unmeasured": True} if unmeasured else {}))
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
-        if not force and (gain < min_gain or gain < gain_z * stderr):
+        if not force and (gain < min_gain or (gain < gain_z * stderr and not unmeasured)):
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
         measured = self.knowledge.batch_range()

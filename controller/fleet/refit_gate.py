@@ -6,7 +6,10 @@ only where no traffic goes is not worth a swap (every swap is a guardrail watch 
 The batch fitter asks the same question in `fitter.refit.predicted_gain`, under its full
 `SurfaceFit` and weighted by time share; the closed loop only has the fitted envelope, so it
 asks it of the envelope's summarised surface, weighted by recent steps. The surface's own
-standard errors say whether the gain is more than the fit's noise.
+standard errors say whether the gain is more than the fit's noise - unless the running
+table was fitted at another load than the one that runs now (`running_unmeasured`): its
+choice there is an extrapolation, keeping it is no safer, and the gain alone decides (the
+guardrail still watches the swap).
 """
 
 from __future__ import annotations
@@ -56,3 +59,15 @@ def predicted_gain(candidate: TableEnvelope, current: DraftTable,
     se_new = float(np.sum(weight[differ] * stderr[rows[differ], new_col[differ]]))
     se_old = float(np.sum(weight[differ] * stderr[rows[differ], old_col[differ]]))
     return new / old - 1.0, float(np.hypot(se_new, se_old)) / old
+
+
+def running_unmeasured(running: TableEnvelope | None,
+                       batch_sizes: NDArray[np.int64]) -> bool:
+    """Whether most of `batch_sizes` (the steps since the last refit: the load now, not
+    the window's) ran past the request count the running table's fit
+    measured (`surface.measured_requests`): there its K is a robust guess, not a
+    measurement, and keeping it is no safer than a refit that measured the load."""
+    if running is None or batch_sizes.size == 0:
+        return False
+    measured = (running.surface or {}).get("measured_requests")
+    return measured is not None and float(np.median(batch_sizes)) > float(measured)

@@ -3,12 +3,13 @@ tell from noise."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
 
-from controller.fleet.refit_gate import predicted_gain
+from controller.fleet.refit_gate import predicted_gain, running_unmeasured
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]
@@ -55,3 +56,17 @@ def test_tables_that_differ_between_grid_points_differ() -> None:
     assert gain == pytest.approx(1000.0 / 950.0 - 1.0)
     assert stderr > 0
     assert predicted_gain(candidate, current, np.full(100, 64)) == (0.0, 0.0)
+
+
+def test_a_running_table_is_unmeasured_where_most_steps_ran_past_its_fits_load() -> None:
+    one_load = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=2.0)
+    one_load = dataclasses.replace(one_load, surface={**one_load.surface,
+                                                      "measured_requests": 1})
+    wide = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=2.0)  # no measured_requests
+    sixteen = np.full(100, 16)
+    assert running_unmeasured(one_load, sixteen)
+    assert not running_unmeasured(one_load, np.ones(100, dtype=np.int64))
+    assert not running_unmeasured(one_load, np.r_[np.ones(60), np.full(40, 16)].astype(int))
+    assert not running_unmeasured(wide, sixteen)
+    assert not running_unmeasured(None, sixteen)  # the startup table
+    assert not running_unmeasured(one_load, np.zeros(0, dtype=np.int64))

@@ -345,3 +345,41 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
     applied = [e for e in events if e["event"] == "applied" and e["table_key"] == str(target)]
     assert applied  # the engines did apply tables: the survivor's
     print(f"sent after losing the key, refused by the engines: {late}")
+
+
+def test_every_replica_restarted_at_once_hands_each_key_on_from_the_topic(
+        topic_settings, tmp_path, unique_name):
+    """A rolling update gone wrong, or a node lost: every replica killed at once, then as
+    many new ones. The new members claim every key at a newer epoch and go on from the
+    tables topic's state, and the log still has one writer per key."""
+    settings = topic_settings
+    with two_replicas_serving_two_keys(settings, tmp_path, unique_name) as (replicas, fleets,
+                                                                           keys):
+        def live_everywhere() -> bool:
+            log = tables_log(settings)
+            return all(any(isinstance(m, TableEnvelope) and m.key == key for m in log)
+                       for key in keys)
+        assert wait_for(live_everywhere, 90), [r.log() for r in replicas]
+        before = {key: claims_of(tables_log(settings), key)[-1] for key in keys}
+        for replica in replicas:
+            replica.kill()
+        successors = [Replica(settings, tmp_path / f"successor-{i}.log", unique_name,
+                              session_s=SHORT_SESSION_S) for i in range(2)]
+        replicas.extend(successors)  # stopped on the way out with the others
+        for successor in successors:
+            successor.start()
+        ids = {s.issued_by for s in successors}
+
+        def handed_on() -> bool:
+            log = tables_log(settings)
+            return all(claims_of(log, key)[-1].issued_by in ids for key in keys)
+        assert wait_for(handed_on, 60), [s.log() for s in successors]
+        for key in keys:
+            assert claims_of(tables_log(settings), key)[-1].epoch > before[key].epoch
+            assert wait_for(lambda key=key: any(f"serving {key} from " in s.log()
+                                                for s in successors), 30)
+        for fleet in fleets:
+            fleet.join()
+    log = tables_log(settings)
+    assert one_writer(log) == [], "\n".join(one_writer(log))
+    assert fenced_applies(log, status_events(settings)) == []

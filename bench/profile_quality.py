@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.profile_quality " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "traces_found": DATA.exists(), "duration_s": duration, "budget_s": args.budget_s,
-        "seed": args.seed, "profile_loads": args.profile_loads, "mean_ratio": round(statistics.fmean(ratios), 4),
+        "seed": args.seed, "profile_loads": args.profile_loads,
+        "mean_ratio": round(statistics.fmean(ratios), 4),
         "worst_ratio": min(ratios), "all_meet_target": all(r["meets_target"] for r in results),
         "wall_s": round(time.monotonic() - started, 1), "results": results,
     }

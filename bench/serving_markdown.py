@@ -101,7 +101,8 @@ def _whole_run(result: dict[str, Any]) -> list[str]:
     lines = ["Whole run (the same work, every phase's tokens, at each arm's per-phase rates): "
              f"best single fixed K `{run['best_fixed']}` at {run['best_fixed_tok_s']:.1f} "
              f"tok/s; headroom (each phase at its own best fixed K, over the best single "
-             f"one) {run['headroom']:.3f}.", "", "| arm | tok/s | / best single fixed K |", "| --- | --- | --- |"]
+             f"one) {run['headroom']:.3f}.", "",
+             "| arm | tok/s | / best single fixed K |", "| --- | --- | --- |"]
     for arm in ordered(result["arms"]):
         rate = run["tok_s"][arm]
         lines.append(f"| `{arm}` | -- | -- |" if rate is None else

@@ -326,20 +326,7 @@ def derive_envelope(
     batch_sizes = np.arange(1, max_batch + 1)
     surface = fit.evaluate(batch_sizes, k_values)
     decision = robust_goodput(surface)
-    served = _served(fit, max_batch)
-    indistinct = None
-    if merge_z is not None:
-        indistinct = indistinguishable(surface, merge_z, served=served)
-    if surface.measured_requests is not None and max_batch > surface.measured_requests:
-        # unmeasured batch sizes are not known to 1%: any K near the robust best may merge
-        rows = batch_sizes > surface.measured_requests
-        if served is not None:
-            rows &= ~served
-        # (the fit's own standard errors there judge its own reading, not the robust one)
-        near = decision >= (1.0 - MAX_MERGE_LOSS) * decision.max(axis=1, keepdims=True)
-        unmeasured = near & rows[:, None]
-        indistinct = (unmeasured if indistinct is None
-                      else np.where(rows[:, None], unmeasured, indistinct))
+    indistinct = _mergeable(surface, decision, merge_z, _served(fit, max_batch))
     chosen = choose_k(decision, tolerance=tolerance, fewest_ranges=fewest_ranges,
                       latency=surface.latency_s, indistinct=indistinct)
     dense = [0, *(int(k) for k in k_values[chosen])]
@@ -402,6 +389,27 @@ def fit_table(
                            fewest_ranges=fewest_ranges, merge_z=merge_z,
                            created_at=created_at,
                            provenance=provenance)
+
+
+def _mergeable(surface: GoodputSurface, decision: NDArray[np.float64], merge_z: float | None,
+               served: NDArray[np.bool_] | None) -> NDArray[np.bool_] | None:
+    """Cells that may take a row to save a range (`choose_k`'s `indistinct`): with
+    `merge_z`, those the fit cannot tell from the row's best (`indistinguishable`); at
+    batch sizes past the measured request count, instead, any K within `MAX_MERGE_LOSS` of
+    the robust best (`decision`): they are not known to 1%, and the fit's own standard
+    errors judge its own reading there, not the robust one. Served rows keep their argmax."""
+    indistinct = None if merge_z is None else indistinguishable(surface, merge_z,
+                                                                served=served)
+    if surface.measured_requests is None:
+        return indistinct
+    rows = surface.batch_sizes > surface.measured_requests
+    if not rows.any():
+        return indistinct
+    if served is not None:
+        rows &= ~served
+    near = decision >= (1.0 - MAX_MERGE_LOSS) * decision.max(axis=1, keepdims=True)
+    unmeasured = near & rows[:, None]
+    return unmeasured if indistinct is None else np.where(rows[:, None], unmeasured, indistinct)
 
 
 def _served(fit: SurfaceFit, max_batch: int) -> NDArray[np.bool_] | None:

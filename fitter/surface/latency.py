@@ -82,6 +82,11 @@ def batched_tokens(X: NDArray[np.float64]) -> NDArray[np.float64]:
     return X[:, _DECODE] + X[:, _DRAFT_TOKENS] + X[:, _PREFILL_TOKENS]
 
 
+def requests_in_flight(X: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Requests a step carries: its decode requests and the ones it prefills."""
+    return X[:, _DECODE] + X[:, _PREFILL_REQS]
+
+
 def drafts_per_decode(X: NDArray[np.float64]) -> NDArray[np.float64]:
     """Verified drafts per decode request (query positions beyond the first); 0 without any."""
     decode = X[:, _DECODE]
@@ -155,6 +160,7 @@ def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArra
     drafting = drafter_runs(X).astype(np.float64)
     kv = X[:, _KV]
     tokens = batched_tokens(X)
+    requests = requests_in_flight(X)
     return np.column_stack([
         np.ones(X.shape[0]),
         hinge_features(tokens, knots),
@@ -164,11 +170,18 @@ def latency_design(X: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArra
         kv * drafting,
         drafting,
         k_next,
-        decode + X[:, _PREFILL_REQS],
+        requests,
         X[:, _PREFILL_REQS],
-        (decode + X[:, _PREFILL_REQS]) * drafting,
+        requests * drafting,
         decode * k_next,
     ])
+
+
+def non_hinge_columns(knots: NDArray[np.float64], names: tuple[str, ...]) -> list[int]:
+    """Columns of `latency_design` for these `NON_HINGE_FEATURES`: after the intercept,
+    a hinge per knot and a step per knot but the first."""
+    offset = 1 + 2 * knots.size - 1
+    return [offset + NON_HINGE_FEATURES.index(name) for name in names]
 
 
 def drafter_runs(X: NDArray[np.float64]) -> NDArray[np.bool_]:
@@ -251,7 +264,7 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         self.max_batched_tokens_ = float(tokens.max())
         # the request counts of decode cells with weight (a prefill-only cell says little
         # of what a request in flight costs); of the heaviest ones when none has ten steps
-        requests = matrix[:, _DECODE] + matrix[:, _PREFILL_REQS]
+        requests = requests_in_flight(matrix)
         decoding = (matrix[:, _DECODE] > 0) & (weight > 0)
         pool = weight[decoding] if decoding.any() else weight
         bar = min(MEASURED_CELL_WEIGHT, 0.5 * float(pool.max()))
@@ -275,12 +288,10 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "coef_")
         matrix = latency_matrix(X)
         design = latency_design(matrix, self.knots_)
-        offset = 1 + 2 * self.knots_.size - 1
-        requests = matrix[:, _DECODE] + matrix[:, _PREFILL_REQS]
+        requests = requests_in_flight(matrix)
         scale = np.divide(np.minimum(requests, self.max_measured_requests_), requests,
                           out=np.ones_like(requests), where=requests > 0)
-        for name in HELD_FEATURES:
-            design[:, offset + NON_HINGE_FEATURES.index(name)] *= scale
+        design[:, non_hinge_columns(self.knots_, HELD_FEATURES)] *= scale[:, None]
         return design @ self.coef_
 
     @property
@@ -321,10 +332,7 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
 
     @staticmethod
     def _unidentified_columns(knots: NDArray[np.float64], both_seen: bool) -> list[int]:
-        if both_seen:
-            return []
-        offset = 1 + 2 * knots.size - 1
-        return [offset + NON_HINGE_FEATURES.index(name) for name in _DRAFTER_ON_OFF_FEATURES]
+        return [] if both_seen else non_hinge_columns(knots, _DRAFTER_ON_OFF_FEATURES)
 
     @property
     def feature_names_(self) -> tuple[str, ...]:

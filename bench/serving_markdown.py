@@ -142,7 +142,8 @@ def _versions(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {history['repeat']} | {v['version']} | {v['reason']} | "
                          f"{v['published_s']:.0f} s ({v['published_in']}) | {applied} | "
                          f"`{v['table']}` |")
-    lines += ["", "TableTune's sweeps (the engine runs forced K from start to end):", "",
+    lines += ["", "TableTune's sweeps (a profile forces K from start to end; a one-engine "
+              "key's re-profile forces its largest K for its one block):", "",
               "| repeat | sweep | drift signal | started | ended (its refit) | block s |",
               "| --- | --- | --- | --- | --- | --- |"]
     for history in result["tabletune_tables"]:

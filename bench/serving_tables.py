@@ -71,7 +71,8 @@ def sweeps(run: ArmRun) -> list[dict[str, Any]]:
         elif what in ("profile", "reprofile"):
             out.append({"kind": what, "signal": signal if what == "reprofile" else None,
                         "started_s": round(at - origin, 1), "started_in": phase_at(run, at),
-                        "block_s": fields.get("block_s"),
+                        # a one-engine key's probe: its one block at the largest K
+                        "block_s": fields.get("block_s", fields.get("probe_s")),
                         "confirm_block_s": fields.get("confirm_block_s"),
                         "ended_s": None, "ended_in": None})
             signal = None

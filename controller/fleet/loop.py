@@ -40,6 +40,12 @@ docs/TUNING.md):
 About 60 s in all, paid once per drift; so the drift detector's window is long enough that
 the workload's own wander does not start one, and for three minutes after a sweep it asks
 acceptance for twice the shift (`DriftConfig.after_sweep_factor`).
+
+A key with one engine has no canary, and all of its traffic would pay that minute: its
+re-profile is the settling stretch, one short block at the largest K (every draft
+position's acceptance, and that K's cost at the new load), the table again until the refit
+has its steps, then the refit on all of them (`LoopConfig.probe_block_s`); such blocks take
+at most `probe_share` of any ten minutes (`forced_budget.ForcedBudget`).
 """
 
 from __future__ import annotations
@@ -102,7 +108,8 @@ class LoopState(enum.Enum):
     """Following fitted tables; refits, exploration, guardrail and drift detection on."""
     REPROFILING = "reprofiling"
     """Drift was detected: a short forced sweep on the canaries, long runs at the K it
-    points to and its neighbours, then a refit on the new regime only."""
+    points to and its neighbours, then a refit on the new regime only (a one-engine key:
+    one short block at the largest K, then the refit)."""
 
 
 class ClosedLoop:

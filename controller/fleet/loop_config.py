@@ -48,6 +48,14 @@ class LoopConfig:
     is the guardrail's baseline."""
     reprofile_block_s: float = 1.0
     """Each K's block in the re-profile's up-and-down sweep (mirrored, so a trend cancels)."""
+    probe_block_s: float = 3.0
+    """A key with one engine re-profiles with one block this long at its largest K after the
+    settling stretch, not a sweep: its only engine serves all of its traffic, and that block
+    shows acceptance at every draft position and the largest K's cost at the new load, beside
+    the table's own K in the settling stretch (0 = the canaries' sweep and confirmation)."""
+    probe_share: float = 0.025
+    """Such blocks take at most this share of any `FORCED_WINDOW_S` (exploration's probes come
+    on top): a drift that keeps firing is refitted without one."""
     confirm_block_s: float = 6.0
     """The sweep's pick and its neighbours then run this long each, twice, mirrored (0 =
     skip)."""
@@ -88,7 +96,8 @@ class LoopConfig:
             force_grace_s=positive(), engine_idle_s=positive(),
             profile_block_s=positive(), profile_rounds=at_least(1),
             reprofile_settle_s=at_least(0), reprofile_block_s=positive(),
-            confirm_block_s=at_least(0), regime_acceptance_factor=at_least(0),
+            confirm_block_s=at_least(0), probe_block_s=at_least(0),
+            probe_share=in_range(0, 1), regime_acceptance_factor=at_least(0),
             fit_window_s=positive(), half_life_s=above(0).or_none(), tolerance=at_least(0),
             merge_z=at_least(0),
             min_gain=at_least(0), gain_z=at_least(0), follow_up_s=at_least(0),
@@ -100,7 +109,8 @@ class LoopConfig:
     @property
     def longest_block_s(self) -> float:
         """The longest block a force holds (the grace comes on top)."""
-        return max(self.profile_block_s, self.reprofile_block_s, self.confirm_block_s)
+        return max(self.profile_block_s, self.reprofile_block_s, self.confirm_block_s,
+                   self.probe_block_s)
 
     def _grace_within_force(self) -> Bound:
         """A block's force lasts the block and the grace: no longer than engines accept."""

@@ -12,6 +12,7 @@ import enum
 import numpy as np
 
 from controller.fleet.decisions import DecisionLog, What
+from controller.fleet.forced_budget import ForcedBudget
 from controller.fleet.key_fit import MIN_FIT_RECORDS, KeyFitter
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import Publisher
@@ -36,6 +37,12 @@ of the engines they force, at their recent rate: 1.5 x MIN_FIT_RECORDS, as the r
 with the K forced (docs/TUNING.md)."""
 
 
+PROBE_LONGEST_S = 120.0
+"""A one-engine key's probe waits at most this long after the drift for its refit's
+MIN_FIT_RECORDS steps (a slow engine runs its table meanwhile, unforced); then the loop goes
+LIVE and its periodic refits take over."""
+
+
 class SweepProgress(enum.Enum):
     RUNNING = "running"
     RESTART = "restart"
@@ -58,6 +65,8 @@ class SweepPlanner:
         self.decisions = decisions
         self.sweep: Sweep | None = None
         """The sweep running (None: none)."""
+        self.budget = ForcedBudget(config.probe_share)
+        """What a one-engine key's probe blocks may still force."""
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -77,9 +86,12 @@ class SweepPlanner:
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
+        targets = self._canaries(now_s)
+        if not targets and cfg.probe_block_s > 0:
+            self._start_probe(now_s, restarted=restarted)
+            return
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
-        targets = self._canaries(now_s)
         block_s, confirm_s = self._sized_for_steps(now_s, targets)
         lengths = [cfg.reprofile_settle_s] + [block_s] * len(ks)
         self.sweep = Sweep(blocks, lengths, now_s, confirm=confirm_s > 0,
@@ -91,6 +103,20 @@ class SweepPlanner:
         self.decisions.note(now_s, What.REPROFILE, targets=list(self.sweep.targets),
                             **stretched)
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
+
+    def _start_probe(self, now_s: float, *, restarted: bool) -> None:
+        """A one-engine key: the settling stretch, then the largest K for `probe_block_s`
+        if the forced budget grants it (a drift that keeps firing is refitted without)."""
+        cfg = self.config
+        largest = self.k_values[-1]
+        block_s = self.budget.grant(now_s + cfg.reprofile_settle_s, cfg.probe_block_s)
+        # the last stretch (the table again) is open: it lasts until the refit has its steps
+        blocks: list[int | None] = [None] + ([largest, None] if block_s else [])
+        lengths = [cfg.reprofile_settle_s] + ([block_s, 0.0] if block_s else [])
+        self.sweep = Sweep(blocks, lengths, now_s, fit_since_s=now_s, restarted=restarted,
+                           probe=True)
+        self.decisions.note(now_s, What.REPROFILE, targets=[], probe_k=largest if block_s else None,
+                            probe_s=round(block_s, 2))
 
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),
@@ -106,12 +132,15 @@ class SweepPlanner:
             return SweepProgress.RESTART
         if index >= len(sweep.blocks) and profiling and self._profile_too_short(sweep, now_s):
             return SweepProgress.RUNNING
+        if index >= len(sweep.blocks) and sweep.probe and self._probe_waits(sweep, now_s):
+            return SweepProgress.RUNNING
         if index >= len(sweep.blocks):
             return SweepProgress.DONE
         if index == sweep.index:
             return SweepProgress.RUNNING
         sweep.index = index
-        if index == 1 and sweep.blocks[0] is None and sweep.fit_since_s is not None:
+        if (index == 1 and sweep.blocks[0] is None and sweep.fit_since_s is not None
+                and not sweep.probe):
             # the settling stretch ran long if its tick came late: the fits start where
             # the first forced block really does (a longer profile has none: its fits keep
             # the first run's records)
@@ -119,9 +148,10 @@ class SweepPlanner:
             self.window.data_since_s = max(self.window.data_since_s, sweep.fit_since_s)
         k = sweep.blocks[index]
         if k is None:
-            # the guardrail's baseline for the refit to come is this stretch, not what ran
-            # before the drift showed
-            self.guardrail.reset_baseline()
+            if index == 0:
+                # the guardrail's baseline for the refit to come is the settling stretch,
+                # not what ran before the drift showed
+                self.guardrail.reset_baseline()
             self.publisher.release(now_s)
         else:
             block_end_s = (sweep.started_s + sweep.late_s
@@ -156,6 +186,13 @@ class SweepPlanner:
         confirm_runs = 2 * min(len(self.k_values), CONFIRM_WIDTH)
         confirm_s = sized(cfg.confirm_block_s, confirm_runs) if cfg.confirm_block_s else 0.0
         return sized(cfg.reprofile_block_s, sweep_blocks), confirm_s
+
+    def _probe_waits(self, sweep: Sweep, now_s: float) -> bool:
+        """A probe's refit reads the steps since the drift: a slow engine runs its table on
+        until they make a fit (at most PROBE_LONGEST_S)."""
+        records = self.window.window(now_s, since_s=sweep.records_from_s)
+        held = 0 if records is None else records.num_rows
+        return held < MIN_FIT_RECORDS and now_s - sweep.started_s < PROBE_LONGEST_S
 
     def _profile_too_short(self, sweep: Sweep, now_s: float) -> bool:
         """A cold key's profile that ended with too few records for a fit runs again, its

@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
+from controller.fleet.sweep_planner import PROBE_LONGEST_S
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
 from twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
@@ -22,6 +24,9 @@ NGRAM_CODE = (0.65, 0.93, 0.94, 0.95, 0.95)
 NGRAM_CHAT_TRACE = (0.2, 0.84, 0.87, 0.90, 0.91)
 """Chat whose first draft position accepts as rarely as the ShareGPT trace's does in the
 twin (0.25 of drafts, against 0.47-0.52 for InstructCoder): half of NGRAM_CHAT's."""
+CANARY_SWEEP = LoopConfig(probe_block_s=0.0)
+"""The re-profile a fleet runs on its canaries (sweep, then confirmation), here on the one
+engine the twin has; by default a one-engine key probes instead."""
 
 
 def rate(summary, start_s: float, end_s: float) -> float:  # type: ignore[no-untyped-def]
@@ -71,9 +76,10 @@ def ngram_chat_to_code(code_s: float = 160, code_c8_s: float = 0, chat_again_s: 
         code, *later))
 
 
-def tabletune_and_stale(scenario: Scenario, drift_s: float) -> tuple[TabletunePolicy, Any, Any]:
+def tabletune_and_stale(scenario: Scenario, drift_s: float, config: LoopConfig | None = None,
+                        ) -> tuple[TabletunePolicy, Any, Any]:
     """The scenario under TableTune, and under the table it ran when the drift came, held."""
-    policy = TabletunePolicy()
+    policy = TabletunePolicy(config)
     tt = run_scenario(scenario, policy)
     policy.close()
     assert policy.loop is not None
@@ -116,7 +122,7 @@ def test_drift_is_reprofiled_then_confirmed_around_the_sweeps_pick() -> None:
     at the K the short sweep points to and its neighbours, then the refit; the forced steps
     in the telemetry follow that plan."""
     scenario = ngram_chat_to_code()
-    policy = TabletunePolicy()
+    policy = TabletunePolicy(CANARY_SWEEP)
     sink = MemorySink()
     run_scenario(scenario, policy, sink=sink)
     policy.close()
@@ -198,7 +204,7 @@ def assert_reprofile_restarted(scenario: Scenario) -> None:
     """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
     regime moved under it after 145 s (during its confirmation) and sweeps again: the next
     decisions are a new confirmation, then the refit."""
-    policy = TabletunePolicy()
+    policy = TabletunePolicy(CANARY_SWEEP)
     run_scenario(scenario, policy)
     policy.close()
     assert policy.loop is not None
@@ -260,19 +266,26 @@ def test_a_slow_engines_cold_key_profiles_longer_and_gets_its_first_table() -> N
     assert [v for _, v, _ in policy.loop.applied][-1] >= 1
 
 
-def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_table() -> None:
-    """About three steps a second, then acceptance falls from EAGLE's to 0.2 a position
-    (the best K from 3 to 1): the re-profile's 1 s blocks would hold three steps each, too
-    few for the pick's fit, and it ended with no table, again at every `stale`. Its blocks
-    and runs are sized by the steps the engine ran, and its table beats the stale one."""
+def slow_eagle_then_low() -> Scenario:
+    """About three steps a second, EAGLE's acceptance for 240 s, then 0.2 at every position
+    for 360 s: the best K falls from 3 to 1."""
     low = (0.2,) * 7
-    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=16),
-                        cost=CostConfig(target_fixed=0.15, target_batched=0.002), phases=(
+    return Scenario(seed=3, engine=EngineConfig(max_num_seqs=16),
+                    cost=CostConfig(target_fixed=0.15, target_batched=0.002), phases=(
         PhaseConfig(name="eagle", duration_s=240, concurrency=16, acceptance=EAGLE,
                     prompt_len=128, output_len=256),
         PhaseConfig(name="low", duration_s=360, concurrency=16, acceptance=low,
                     prompt_len=128, output_len=256)))
-    policy, tt, fixed = tabletune_and_stale(scenario, drift_s=240.0)
+
+
+def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_table() -> None:
+    """A fleet's canary re-profile, here on one engine. About three steps a second, then
+    acceptance falls from EAGLE's to 0.2 a position (the best K from 3 to 1): the
+    re-profile's 1 s blocks would hold three steps each, too
+    few for the pick's fit, and it ended with no table, again at every `stale`. Its blocks
+    and runs are sized by the steps the engine ran, and its table beats the stale one."""
+    scenario = slow_eagle_then_low()
+    policy, tt, fixed = tabletune_and_stale(scenario, drift_s=240.0, config=CANARY_SWEEP)
     decisions = policy.loop.decisions
     reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s > 240)
     # 300 steps over the sweep's 16 blocks, and over the confirmation's 6 runs
@@ -284,3 +297,59 @@ def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_tabl
     assert refit.fields["reason"] == "stale" and refit.fields["version"] == 2, decisions
     tt_rate, stale_rate = rate(tt, refit.t_s, 600.0), rate(fixed, refit.t_s, 600.0)
     assert tt_rate > 1.05 * stale_rate, (tt_rate, stale_rate, decisions)
+
+
+def test_a_one_engine_keys_reprofile_forces_one_short_block_at_the_largest_k() -> None:
+    """A key with one engine has no canary: after `stale` its re-profile runs its table for
+    the settling stretch, then the largest K for `probe_block_s` (acceptance at every draft
+    position, that K's cost at the new load), then its table again until the refit has its
+    steps (a slow engine's here), and refits on all of them. No other block is forced,
+    forced steps stay within the probe's and exploration's shares, and the new table beats
+    the stale one held, long before the canaries' sweep and confirmation would end."""
+    scenario = slow_eagle_then_low()
+    policy, sink = TabletunePolicy(), MemorySink()
+    tt = run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    config, decisions = policy.loop.config, policy.loop.decisions
+    stale = next(d for d in decisions if d.what == "stale" and d.t_s > 240.0)
+    reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s >= stale.t_s)
+    assert reprofile.fields["probe_k"] == 7 and reprofile.fields["probe_s"] == config.probe_block_s
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > reprofile.t_s)
+    assert refit.fields["reason"] == "stale" and refit.fields["version"] == 2, decisions
+    assert refit.t_s - reprofile.t_s <= PROBE_LONGEST_S + 1.0
+    assert "confirm" not in [d.what for d in decisions]
+
+    records = sink.table()
+    ts = records.column("ts_ns").to_numpy() / 1e9
+    forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
+    k_next = records.column("k_next").to_numpy()
+    during = np.flatnonzero((ts >= stale.t_s) & (ts < refit.t_s) & forced)
+    blocks = np.split(during, np.flatnonzero(np.diff(during) > 1) + 1)
+    long_blocks = [b for b in blocks if b.size >= 3]  # not a lone exploration probe
+    assert len(long_blocks) == 1 and set(k_next[long_blocks[0]]) == {7}, long_blocks
+    # the release goes out at the first control tick (1 s here) after the block's end
+    assert ts[long_blocks[0][-1]] - ts[long_blocks[0][0]] <= config.probe_block_s + 1.0
+    after = ts >= policy.loop.applied[0][0]
+    share = forced[after].mean()
+    assert share <= config.probe_share + config.exploration.share, share
+
+    stale_table = [table for at, _, table in policy.loop.applied if at <= stale.t_s][-1]
+    held = run_scenario(scenario, StaticTable(stale_table, name="stale"))
+    assert rate(tt, refit.t_s, 600.0) > 1.05 * rate(held, refit.t_s, 600.0), decisions
+
+
+def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> None:
+    """Once the probes spent `probe_share` of the last ten minutes, a re-profile runs no
+    block: it refits on the settling stretch alone."""
+    config = LoopConfig(probe_share=0.005)  # 3 s in any ten minutes: one block
+    scenario = ngram_chat_to_code(code_s=75, chat_again_s=120, chat_again=NGRAM_CHAT_TRACE)
+    policy = TabletunePolicy(config)
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    reprofiles = [d for d in policy.loop.decisions if d.what == "reprofile"]
+    assert len(reprofiles) >= 2, policy.loop.decisions
+    assert reprofiles[0].fields["probe_s"] == config.probe_block_s
+    assert all(d.fields["probe_k"] is None and d.fields["probe_s"] == 0
+               for d in reprofiles[1:]), reprofiles

@@ -74,4 +74,3 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     recalls = [d.t_s for d in decisions if d.what == "recall"]
     assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
     assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
-    assert [d.what for d in decisions].count("confirm") == 1  # no sweep after the first

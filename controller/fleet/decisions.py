@@ -25,6 +25,7 @@ class What(enum.StrEnum):
     REPROFILE = "reprofile"
     REPROFILE_RESTARTED = "reprofile_restarted"
     REPROFILE_ABANDONED = "reprofile_abandoned"
+    SETTLE_REFIT = "settle_refit"
     CONFIRM = "confirm"
     INTERIM = "interim"
     REFIT = "refit"

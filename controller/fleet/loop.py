@@ -45,7 +45,9 @@ A key with one engine has no canary, and all of its traffic would pay that minut
 re-profile is the settling stretch, one short block at the largest K (every draft
 position's acceptance, and that K's cost at the new load), the table again until the refit
 has its steps, then the refit on all of them (`LoopConfig.probe_block_s`); such blocks take
-at most `probe_share` of any ten minutes (`forced_budget.ForcedBudget`).
+at most `probe_share` of any ten minutes (`forced_budget.ForcedBudget`). Where acceptance
+fell, nothing above the table's K is worth measuring: no block, the settling stretch and the
+refit alone (decision `settle_refit`).
 """
 
 from __future__ import annotations
@@ -330,7 +332,9 @@ class ClosedLoop:
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
             if not self._recall(report.version, now_s):
-                self._start_reprofile(now_s)
+                # acceptance that fell leaves nothing above the table's K worth measuring
+                censored = report.signal != "acceptance" or report.magnitude > 0
+                self._start_reprofile(now_s, censored=censored)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
 
@@ -372,9 +376,10 @@ class ClosedLoop:
             self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
                                  steps=moved[1], cells=cells)
 
-    def _start_reprofile(self, now_s: float, *, restarted: bool = False) -> None:
+    def _start_reprofile(self, now_s: float, *, restarted: bool = False,
+                         censored: bool = True) -> None:
         self._follow_up_s = None  # the re-profile's own refit schedules the next one
-        self.planner.start_reprofile(now_s, restarted=restarted)
+        self.planner.start_reprofile(now_s, restarted=restarted, censored=censored)
         self.state = LoopState.REPROFILING
 
     def _advance_sweep(self, now_s: float) -> None:

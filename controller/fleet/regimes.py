@@ -35,6 +35,11 @@ up to 29% off what the same traffic settles at under a table (twin, GSM8K n-gram
 while the workloads a swing moves between differ three-fold (0.16 against 0.46-0.6). A match
 that is wrong shows at once: the drift detector holds the recalled table to its prediction
 from its first steps, and a recalled table called stale soon is re-profiled."""
+NEAREST_K_GAP = 2
+"""Signatures with no K in common compare at their nearest K values, this far apart at most:
+the first position's acceptance moves about 5% a K (0.58 at K2, 0.46 at K7), so two K apart
+stay well inside the match bar while workloads differ three-fold. A one-engine key's regime
+holds its settling stretch's K and its probe's largest K only."""
 MATCH_BATCH_FACTOR = 1.5
 """... and the median batch size within this factor (the drift detector's coverage factor is
 2: within it, one table serves both)."""
@@ -69,13 +74,16 @@ class Signature:
         return cls(acceptance, counts, float(np.median(records.column("batch_size").to_numpy())))
 
     def distance(self, other: Signature) -> tuple[float, float] | None:
-        """(|log acceptance ratio| at the shared K with the most drafts on both sides,
-        |log batch ratio|); None without a K in common."""
-        shared = set(self.acceptance) & set(other.acceptance)
-        if not shared:
+        """(|log acceptance ratio| at the shared K with the most drafts on both sides, else
+        at the nearest K values within NEAREST_K_GAP, |log batch ratio|); None without."""
+        pairs = [(a, b) for a in self.acceptance for b in other.acceptance
+                 if abs(a - b) <= NEAREST_K_GAP]
+        if not pairs:
             return None
-        at = max(shared, key=lambda k: min(self.drafts[k], other.drafts[k]))
-        return (abs(math.log(self.acceptance[at] / other.acceptance[at])),
+        gap = min(abs(a - b) for a, b in pairs)
+        a, b = max((pair for pair in pairs if abs(pair[0] - pair[1]) == gap),
+                   key=lambda pair: min(self.drafts[pair[0]], other.drafts[pair[1]]))
+        return (abs(math.log(self.acceptance[a] / other.acceptance[b])),
                 abs(math.log(max(self.batch, 1.0) / max(other.batch, 1.0))))
 
 

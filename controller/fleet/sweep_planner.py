@@ -80,15 +80,17 @@ class SweepPlanner:
         self.sweep = Sweep(blocks, [block_s] * len(blocks), now_s, fit_since_s=fit_since_s)
         self.decisions.note(now_s, What.PROFILE, blocks=len(blocks), block_s=block_s)
 
-    def start_reprofile(self, now_s: float, *, restarted: bool = False) -> None:
+    def start_reprofile(self, now_s: float, *, restarted: bool = False,
+                        censored: bool = True) -> None:
         """The settling stretch, then every K up and back down on the canaries; the
-        confirmation is planned when those blocks run out."""
+        confirmation is planned when those blocks run out. A one-engine key probes instead
+        (`censored`: the drift may hide acceptance above the table's K or a K's cost)."""
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
         targets = self._canaries(now_s)
         if not targets and cfg.probe_block_s > 0:
-            self._start_probe(now_s, restarted=restarted)
+            self._start_probe(now_s, restarted=restarted, censored=censored)
             return
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
@@ -104,19 +106,24 @@ class SweepPlanner:
                             **stretched)
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
 
-    def _start_probe(self, now_s: float, *, restarted: bool) -> None:
+    def _start_probe(self, now_s: float, *, restarted: bool, censored: bool) -> None:
         """A one-engine key: the settling stretch, then the largest K for `probe_block_s`
-        if the forced budget grants it (a drift that keeps firing is refitted without)."""
+        if the drift may hide what it measures and the forced budget grants it (a drift
+        that keeps firing is refitted without)."""
         cfg = self.config
         largest = self.k_values[-1]
-        block_s = self.budget.grant(now_s + cfg.reprofile_settle_s, cfg.probe_block_s)
+        block_s = (self.budget.grant(now_s + cfg.reprofile_settle_s, cfg.probe_block_s)
+                   if censored else 0.0)
         # the last stretch (the table again) is open: it lasts until the refit has its steps
         blocks: list[int | None] = [None] + ([largest, None] if block_s else [])
         lengths = [cfg.reprofile_settle_s] + ([block_s, 0.0] if block_s else [])
         self.sweep = Sweep(blocks, lengths, now_s, fit_since_s=now_s, restarted=restarted,
                            probe=True)
-        self.decisions.note(now_s, What.REPROFILE, targets=[], probe_k=largest if block_s else None,
-                            probe_s=round(block_s, 2))
+        if not censored:
+            self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
+            return
+        self.decisions.note(now_s, What.REPROFILE, targets=[],
+                            probe_k=largest if block_s else None, probe_s=round(block_s, 2))
 
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),

@@ -27,12 +27,18 @@ def _regime(signature: Signature, learned_s: float) -> Regime:
     return Regime(signature, _steps(0.5, 2), None, None, learned_s, "stale")
 
 
-def test_signatures_compare_at_one_k() -> None:
+def test_signatures_compare_at_one_k_or_the_nearest() -> None:
     chat = Signature.of(pa.concat_tables([_steps(0.2, 2), _steps(0.3, 5)]))
     assert chat is not None and chat.acceptance == {2: 0.2, 5: 0.3}
     same_at_5 = Signature.of(_steps(0.3, 5))
     assert same_at_5 is not None and chat.distance(same_at_5) == (0.0, 0.0)
-    assert chat.distance(Signature.of(_steps(0.3, 7))) is None  # no K in common
+    # a K in common compares there, however many drafts a nearer pair has
+    wide = Signature.of(pa.concat_tables([_steps(0.3, 5), _steps(0.9, 6, n=4000)]))
+    assert wide is not None and chat.distance(wide) == (0.0, 0.0)
+    # none in common: the nearest K within NEAREST_K_GAP (K5 against K7), none further apart
+    at_7 = Signature.of(_steps(0.3, 7))
+    assert at_7 is not None and chat.distance(at_7) == (0.0, 0.0)
+    assert Signature.of(_steps(0.2, 2)).distance(at_7) is None  # type: ignore[union-attr]
     assert Signature.of(_steps(0.0, 2)) is None  # nothing accepted: nothing to sign with
 
 

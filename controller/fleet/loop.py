@@ -42,12 +42,13 @@ the workload's own wander does not start one, and for three minutes after a swee
 acceptance for twice the shift (`DriftConfig.after_sweep_factor`).
 
 A key with one engine has no canary, and all of its traffic would pay that minute: its
-re-profile is the settling stretch, one short block at the largest K (every draft
-position's acceptance, and that K's cost at the new load), the table again until the refit
-has its steps, then the refit on all of them (`LoopConfig.probe_block_s`); such blocks take
-at most `probe_share` of any ten minutes (`forced_budget.ForcedBudget`). Where acceptance
-fell, nothing above the table's K is worth measuring: no block, the settling stretch and the
-refit alone (decision `settle_refit`).
+re-profile is the settling stretch, short blocks at what the drift hides, the table again
+until the refit has its steps, then the refit on all of them (`LoopConfig.probe_block_s`,
+`sweep_planner.Hidden`): acceptance that rose hides the positions above the table's K (one
+block at the largest K); a load or step time that moved hides every K's cost there (the
+largest and the smallest K); acceptance that fell hides nothing (no block: decision
+`settle_refit`). Such blocks take at most `probe_share` of any ten minutes
+(`forced_budget.ForcedBudget`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ from controller.fleet.regimes import (
     RegimeMemory,
     Signature,
 )
-from controller.fleet.sweep_planner import SweepPlanner, SweepProgress
+from controller.fleet.sweep_planner import Hidden, SweepPlanner, SweepProgress
 from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
@@ -332,9 +333,8 @@ class ClosedLoop:
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
             if not self._recall(report.version, now_s):
-                # acceptance that fell leaves nothing above the table's K worth measuring
-                censored = report.signal != "acceptance" or report.magnitude > 0
-                self._start_reprofile(now_s, censored=censored)
+                self._start_reprofile(now_s, hidden=Hidden.of(report.signal,
+                                                              report.magnitude))
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
 
@@ -377,9 +377,9 @@ class ClosedLoop:
                                  steps=moved[1], cells=cells)
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
-                         censored: bool = True) -> None:
+                         hidden: Hidden = Hidden.COST) -> None:
         self._follow_up_s = None  # the re-profile's own refit schedules the next one
-        self.planner.start_reprofile(now_s, restarted=restarted, censored=censored)
+        self.planner.start_reprofile(now_s, restarted=restarted, hidden=hidden)
         self.state = LoopState.REPROFILING
 
     def _advance_sweep(self, now_s: float) -> None:

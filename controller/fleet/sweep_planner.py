@@ -43,6 +43,25 @@ MIN_FIT_RECORDS steps (a slow engine runs its table meanwhile, unforced); then t
 LIVE and its periodic refits take over."""
 
 
+class Hidden(enum.Enum):
+    """What a drift hides from the running table's own steps: what a one-engine key's
+    probe blocks force."""
+
+    NOTHING = "nothing"
+    """Acceptance fell: the table's K drafts every position a smaller K does."""
+    ACCEPTANCE = "acceptance"
+    """Acceptance rose: the positions above the table's K (the largest K shows them)."""
+    COST = "cost"
+    """The load or the step times moved: each K's cost there (the largest K and the
+    smallest, beside the table's own in the settling stretch)."""
+
+    @classmethod
+    def of(cls, signal: str, magnitude: float) -> Hidden:
+        if signal != "acceptance":
+            return cls.COST
+        return cls.ACCEPTANCE if magnitude > 0 else cls.NOTHING
+
+
 class SweepProgress(enum.Enum):
     RUNNING = "running"
     RESTART = "restart"
@@ -81,16 +100,16 @@ class SweepPlanner:
         self.decisions.note(now_s, What.PROFILE, blocks=len(blocks), block_s=block_s)
 
     def start_reprofile(self, now_s: float, *, restarted: bool = False,
-                        censored: bool = True) -> None:
+                        hidden: Hidden = Hidden.COST) -> None:
         """The settling stretch, then every K up and back down on the canaries; the
-        confirmation is planned when those blocks run out. A one-engine key probes instead
-        (`censored`: the drift may hide acceptance above the table's K or a K's cost)."""
+        confirmation is planned when those blocks run out. A one-engine key probes what the
+        drift left `hidden` instead."""
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
         targets = self._canaries(now_s)
         if not targets and cfg.probe_block_s > 0:
-            self._start_probe(now_s, restarted=restarted, censored=censored)
+            self._start_probe(now_s, restarted=restarted, hidden=hidden)
             return
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
@@ -106,24 +125,31 @@ class SweepPlanner:
                             **stretched)
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
 
-    def _start_probe(self, now_s: float, *, restarted: bool, censored: bool) -> None:
-        """A one-engine key: the settling stretch, then the largest K for `probe_block_s`
-        if the drift may hide what it measures and the forced budget grants it (a drift
-        that keeps firing is refitted without)."""
+    def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> None:
+        """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
+        that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
+        firing is refitted without), then the table until the refit has its steps."""
         cfg = self.config
-        largest = self.k_values[-1]
-        block_s = (self.budget.grant(now_s + cfg.reprofile_settle_s, cfg.probe_block_s)
-                   if censored else 0.0)
-        # the last stretch (the table again) is open: it lasts until the refit has its steps
-        blocks: list[int | None] = [None] + ([largest, None] if block_s else [])
-        lengths = [cfg.reprofile_settle_s] + ([block_s, 0.0] if block_s else [])
+        wanted = {Hidden.NOTHING: (), Hidden.ACCEPTANCE: (self.k_values[-1],),
+                  Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
+        blocks: list[int | None] = [None]
+        lengths = [cfg.reprofile_settle_s]
+        for k in wanted:
+            block_s = self.budget.grant(now_s + float(np.sum(lengths)), cfg.probe_block_s)
+            if block_s:
+                blocks.append(k)
+                lengths.append(block_s)
+        if len(blocks) > 1:  # the last stretch (the table again) is open-ended
+            blocks.append(None)
+            lengths.append(0.0)
         self.sweep = Sweep(blocks, lengths, now_s, fit_since_s=now_s, restarted=restarted,
                            probe=True)
-        if not censored:
+        if hidden is Hidden.NOTHING:
             self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
             return
-        self.decisions.note(now_s, What.REPROFILE, targets=[],
-                            probe_k=largest if block_s else None, probe_s=round(block_s, 2))
+        forced = [k for k in blocks if k is not None]
+        self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
+                            probe_k=forced, probe_s=round(float(np.sum(lengths[1:])), 2))
 
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),

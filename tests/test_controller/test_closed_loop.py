@@ -109,6 +109,35 @@ def test_after_a_load_jump_tabletune_runs_near_the_best_fixed_k() -> None:
     assert tt_rate >= 0.98 * best, (tt_rate, best, policy.loop.decisions)
 
 
+def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
+    """The load moved (16 -> 128 users): every K's cost at 128 is unmeasured, so the probe
+    forces the largest K and then the smallest, one short block each, beside the table's own
+    K in the settling stretch."""
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=150, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy, sink = TabletunePolicy(), MemorySink()
+    run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    config, decisions = policy.loop.config, policy.loop.decisions
+    reprofile = next(d for d in decisions if d.what == "reprofile")
+    assert reprofile.fields["hidden"] == "cost" and reprofile.fields["probe_k"] == [7, 0]
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > reprofile.t_s)
+    records = sink.table()
+    ts = records.column("ts_ns").to_numpy() / 1e9
+    forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
+    k_next = records.column("k_next").to_numpy()
+    during = np.flatnonzero((ts >= reprofile.t_s) & (ts < refit.t_s) & forced)
+    runs = [(int(k_next[run[0]]), float(ts[run[-1]] - ts[run[0]]))
+            for run in np.split(during, np.flatnonzero(np.diff(k_next[during]) != 0) + 1)
+            if run.size >= 5]  # not a lone exploration probe
+    assert [k for k, _ in runs] == [7, 0], runs
+    assert all(seconds <= config.probe_block_s + 1.0 for _, seconds in runs), runs
+
+
 def test_the_confirmation_runs_three_k_values_even_at_the_ends_of_the_k_set() -> None:
     every_k = tuple(range(8))
     assert confirmation_k_values(every_k, 4) == (3, 4, 5)
@@ -323,7 +352,8 @@ def test_a_one_engine_keys_reprofile_forces_one_short_block_at_the_largest_k() -
     config, decisions = policy.loop.config, policy.loop.decisions
     stale = next(d for d in decisions if d.what == "stale" and d.t_s > 240.0)
     reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s >= stale.t_s)
-    assert reprofile.fields["probe_k"] == 7 and reprofile.fields["probe_s"] == config.probe_block_s
+    assert reprofile.fields["hidden"] == "acceptance"
+    assert reprofile.fields["probe_k"] == [7] and reprofile.fields["probe_s"] == config.probe_block_s
     refit = next(d for d in decisions if d.what == "refit" and d.t_s > reprofile.t_s)
     assert refit.fields["reason"] == "stale" and refit.fields["version"] == 2, decisions
     assert refit.t_s - reprofile.t_s <= PROBE_LONGEST_S + 1.0
@@ -392,5 +422,5 @@ def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> N
     reprofiles = [d for d in policy.loop.decisions if d.what == "reprofile"]
     assert len(reprofiles) >= 2, policy.loop.decisions
     assert reprofiles[0].fields["probe_s"] == config.probe_block_s
-    assert all(d.fields["probe_k"] is None and d.fields["probe_s"] == 0
+    assert all(d.fields["probe_k"] == [] and d.fields["probe_s"] == 0
                for d in reprofiles[1:]), reprofiles

@@ -30,3 +30,12 @@ def test_no_window_holds_more_than_the_share(start_s: float) -> None:
     for begin, _ in blocks:
         inside = sum(length for t, length in blocks if begin <= t < begin + 600.0)
         assert inside <= 0.025 * 600.0 + 1e-9
+
+
+def test_what_a_drift_hides_follows_its_signal_and_sign() -> None:
+    from controller.fleet.sweep_planner import Hidden
+
+    assert Hidden.of("acceptance", -0.2) is Hidden.NOTHING  # the table's K drafts them all
+    assert Hidden.of("acceptance", 0.3) is Hidden.ACCEPTANCE
+    assert Hidden.of("latency", -0.4) is Hidden.COST
+    assert Hidden.of("coverage", 0.7) is Hidden.COST

@@ -143,7 +143,7 @@ def _versions(result: dict[str, Any]) -> list[str]:
                          f"{v['published_s']:.0f} s ({v['published_in']}) | {applied} | "
                          f"`{v['table']}` |")
     lines += ["", "TableTune's sweeps (a profile forces K from start to end; a one-engine "
-              "key's re-profile forces its largest K for its one block):", "",
+              "key's re-profile forces only its probe blocks, their seconds in all):", "",
               "| repeat | sweep | drift signal | started | ended (its refit) | block s |",
               "| --- | --- | --- | --- | --- | --- |"]
     for history in result["tabletune_tables"]:

@@ -130,7 +130,11 @@ class SweepPlanner:
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
         firing is refitted without), then the table until the refit has its steps."""
         cfg = self.config
-        wanted = {Hidden.NOTHING: (), Hidden.ACCEPTANCE: (self.k_values[-1],),
+        if hidden is Hidden.NOTHING:  # no sweep: the loop's next refit is gated as any
+            self.sweep = None
+            self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
+            return
+        wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
         blocks: list[int | None] = [None]
         lengths = [cfg.reprofile_settle_s]
@@ -144,9 +148,6 @@ class SweepPlanner:
             lengths.append(0.0)
         self.sweep = Sweep(blocks, lengths, now_s, fit_since_s=now_s, restarted=restarted,
                            probe=True)
-        if hidden is Hidden.NOTHING:
-            self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
-            return
         forced = [k for k in blocks if k is not None]
         self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
                             probe_k=forced, probe_s=round(float(np.sum(lengths[1:])), 2))

@@ -1,10 +1,12 @@
-"""A one-engine key's forced budget: a share of any sliding window, never more."""
+"""A one-engine key's probe: its forced budget (a share of any sliding window, never more),
+and what each kind of drift makes it force."""
 
 from __future__ import annotations
 
 import pytest
 
 from controller.fleet.forced_budget import MIN_PROBE_S, ForcedBudget
+from controller.fleet.sweep_planner import Hidden
 
 
 def test_blocks_are_granted_until_the_share_of_the_window_is_spent() -> None:
@@ -33,8 +35,6 @@ def test_no_window_holds_more_than_the_share(start_s: float) -> None:
 
 
 def test_what_a_drift_hides_follows_its_signal_and_sign() -> None:
-    from controller.fleet.sweep_planner import Hidden
-
     assert Hidden.of("acceptance", -0.2) is Hidden.NOTHING  # the table's K drafts them all
     assert Hidden.of("acceptance", 0.3) is Hidden.ACCEPTANCE
     assert Hidden.of("latency", -0.4) is Hidden.COST

@@ -112,7 +112,7 @@ class LoopState(enum.Enum):
     REPROFILING = "reprofiling"
     """Drift was detected: a short forced sweep on the canaries, long runs at the K it
     points to and its neighbours, then a refit on the new regime only (a one-engine key:
-    one short block at the largest K, then the refit)."""
+    short blocks at the K that show what the drift hid, then the refit)."""
 
 
 class ClosedLoop:

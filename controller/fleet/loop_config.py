@@ -49,10 +49,11 @@ class LoopConfig:
     reprofile_block_s: float = 1.0
     """Each K's block in the re-profile's up-and-down sweep (mirrored, so a trend cancels)."""
     probe_block_s: float = 3.0
-    """A key with one engine re-profiles with one block this long at its largest K after the
-    settling stretch, not a sweep: its only engine serves all of its traffic, and that block
-    shows acceptance at every draft position and the largest K's cost at the new load, beside
-    the table's own K in the settling stretch (0 = the canaries' sweep and confirmation)."""
+    """A key with one engine re-profiles with blocks this long after the settling stretch,
+    not a sweep: its only engine serves all of its traffic. One at the largest K shows
+    acceptance at every draft position; after a load or step-time drift one at the smallest
+    K follows, pricing K at the new load beside the table's own (`sweep_planner.Hidden`;
+    0 = the canaries' sweep and confirmation)."""
     probe_share: float = 0.025
     """Such blocks take at most this share of any `FORCED_WINDOW_S` (exploration's probes come
     on top): a drift that keeps firing is refitted without one."""

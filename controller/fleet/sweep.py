@@ -62,8 +62,8 @@ class Sweep:
     confirm_block_s: float = 0.0
     """Length of each confirmation run (a slow engine's are longer than configured)."""
     probe: bool = False
-    """A one-engine key's re-profile: one block at the largest K, and its fits keep the
-    settling stretch (the table's own K at the new traffic)."""
+    """A one-engine key's re-profile: short blocks at what the drift hid, and its fits keep
+    the settling stretch (the table's own K at the new traffic)."""
 
     late_s: float = 0.0
     """How far the blocks run behind their plan: a tick that came after a whole block's

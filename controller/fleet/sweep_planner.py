@@ -224,15 +224,18 @@ class SweepPlanner:
     def _probe_waits(self, sweep: Sweep, now_s: float) -> bool:
         """A probe's refit reads the steps since the drift: a slow engine runs its table on
         until they make a fit (at most PROBE_LONGEST_S)."""
+        return (self._records_held(sweep, now_s) < MIN_FIT_RECORDS
+                and now_s - sweep.started_s < PROBE_LONGEST_S)
+
+    def _records_held(self, sweep: Sweep, now_s: float) -> int:
+        """Step records since the sweep's fits begin."""
         records = self.window.window(now_s, since_s=sweep.records_from_s)
-        held = 0 if records is None else records.num_rows
-        return held < MIN_FIT_RECORDS and now_s - sweep.started_s < PROBE_LONGEST_S
+        return 0 if records is None else records.num_rows
 
     def _profile_too_short(self, sweep: Sweep, now_s: float) -> bool:
         """A cold key's profile that ended with too few records for a fit runs again, its
         blocks longer by the shortfall (the first run's records are kept for the fit)."""
-        records = self.window.window(now_s, since_s=sweep.records_from_s)
-        held = 0 if records is None else records.num_rows
+        held = self._records_held(sweep, now_s)
         block_s = sweep.block_s[0]
         longest = self.config.profile_block_s * MAX_PROFILE_STRETCH
         if held >= MIN_FIT_RECORDS or block_s >= longest:

@@ -13,6 +13,11 @@ re-profile's canary cost: how much less the canary engine emitted than the other
 was forced, as a share of the fleet's output over the phase. `whole_phase` scores the same
 from each phase's first second, against that span's own best fixed K, so that the time the
 loop takes to react is counted too.
+
+With --failover, two `tabletune control` replicas share the key through their group, and the
+one that owns it is killed with -9 `--kill-after-s` wall seconds into its first re-profile:
+the survivor must take the key over (the session timeout, then a rebalance) and recover the
+phase itself. Their decisions are merged for the scoring.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +45,47 @@ from twin import BUILTIN_SCENARIOS, FixedK, StaticTable, load_scenario, run_scen
 from twin.config import Scenario
 from twin.tabletune_policy import TabletunePolicy
 
+WATCH_S = 0.2
+"""How often the failover run reads the replicas' decisions for the first re-profile."""
 
-def run_production(scenario: Scenario, engines: int, speedup: float, work: Path
-                   ) -> tuple[dict[str, Any], list[Decision], float]:
-    """(the fleet's result, the control service's decisions, the fleet's epoch)."""
+
+def run_production(scenario: Scenario, engines: int, speedup: float, work: Path,
+                   kill_after_s: float | None = None
+                   ) -> tuple[dict[str, Any], list[Decision], float, dict[str, Any] | None]:
+    """(the fleet's result, the control service's decisions, the fleet's epoch, the
+    failover: when and which replica was killed, None without `kill_after_s`)."""
     with EmbeddedBroker() as broker:
         env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap}
-        with ControlProcess(env, work) as control:
-            fleet = Fleet(scenario, Settings.from_env(env),
+        settings = Settings.from_env(env)
+        if kill_after_s is None:
+            with ControlProcess(env, work) as control:
+                fleet = Fleet(scenario, settings,
+                              FleetConfig(engines=engines, speedup=speedup)).start()
+                result = fleet.join()
+            return result, control.decisions(), fleet.epoch_s, None
+        with ControlProcess(env, work / "a") as first, ControlProcess(env, work / "b") as second:
+            fleet = Fleet(scenario, settings,
                           FleetConfig(engines=engines, speedup=speedup)).start()
+            failover = _kill_owner_mid_reprofile(fleet, [first, second], kill_after_s)
             result = fleet.join()
-        return result, control.decisions(), fleet.epoch_s
+        decisions = sorted(first.decisions() + second.decisions(), key=lambda d: d.t_s)
+        return result, decisions, fleet.epoch_s, failover
+
+
+def _kill_owner_mid_reprofile(fleet: Fleet, replicas: list[ControlProcess],
+                              kill_after_s: float) -> dict[str, Any] | None:
+    """kill -9 the replica that started the first re-profile, `kill_after_s` after it;
+    None when the fleet ended before any re-profile."""
+    while fleet.running:
+        for index, replica in enumerate(replicas):
+            started = [d for d in replica.decisions() if d.what == "reprofile"]
+            if started:
+                time.sleep(kill_after_s)
+                replica.kill()
+                return {"killed": index, "reprofile_t_s": round(started[0].t_s - fleet.epoch_s, 1),
+                        "killed_at_s": round(fleet.clock_s, 1)}
+        time.sleep(WATCH_S)
+    return None
 
 
 def table_at(decisions: list[Decision], epoch_s: float, t_s: float
@@ -86,10 +122,12 @@ def canary_cost(fleet: dict[str, Any], decisions: list[Decision], epoch_s: float
             "fleet_output_lost_pct": round(100 * float(deficit) / total, 3)}
 
 
-def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, Any]:
+def recovery(name: str, seed: int, engines: int, speedup: float,
+             kill_after_s: float | None = None) -> dict[str, Any]:
     base = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS / name), seed=seed)
     with tempfile.TemporaryDirectory() as work:
-        fleet, decisions, epoch_s = run_production(base, engines, speedup, Path(work))
+        fleet, decisions, epoch_s, failover = run_production(base, engines, speedup,
+                                                             Path(work), kill_after_s)
     scenarios = [engine_scenario(base, i) for i in range(engines)]
     summaries = [fleet["engines"][s.engine.engine_id] for s in scenarios]
     fixed = [{k: run_scenario(s, FixedK(k)) for k in range(s.engine.max_k + 1)}
@@ -121,6 +159,7 @@ def recovery(name: str, seed: int, engines: int, speedup: float) -> dict[str, An
         })
     learning = ("stale", "reprofile", "recall", "latency_forgotten", "roll_back")
     return {"scenario": name, "seed": seed, "engines": engines, "speedup": speedup,
+            "failover": failover,
             "decisions": {what: sum(1 for d in decisions if d.what == what)
                           for what in learning},
             "phases": rows}
@@ -155,11 +194,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
              "whole: in-memory recovery | whole: fleet / best fixed K |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
+        failover = " (owner killed mid re-profile)" if result["failover"] else ""
         for row in result["phases"]:
             canary = row["canary"]
             whole = row["whole_phase"]
             lines.append(
-                f"| {row['scenario']} | {row['seed']} | {row['phase']} | "
+                f"| {row['scenario']}{failover} | {row['seed']} | {row['phase']} | "
                 f"{row['stale_loss_pct']}% | {row['fleet_recovery']} | "
                 f"{row['in_memory_recovery']} | "
                 f"{canary['fleet_output_lost_pct'] if canary else '-'}% | "
@@ -177,12 +217,17 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--failover", action="store_true",
+                        help="two control replicas; kill -9 the owner mid re-profile")
+    parser.add_argument("--kill-after-s", type=float, default=3.0,
+                        help="wall seconds into the first re-profile to kill the owner")
     args = parser.parse_args()
     results = []
     for name in args.scenario:
         seeds = args.seeds or [load_scenario(BUILTIN_SCENARIOS / name).seed]
         for seed in seeds:
-            results.append(recovery(name, seed, args.engines, args.speedup))
+            results.append(recovery(name, seed, args.engines, args.speedup,
+                                    args.kill_after_s if args.failover else None))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     emit("fleet_recovery", {"results": results}, args.out)
     if args.out:

@@ -69,13 +69,20 @@ class ControlProcess:
     def stop(self) -> None:
         stop_process(self._process, STOP_TIMEOUT_S)
 
+    def kill(self) -> None:
+        """kill -9: no release of its forces, no exit summary (a crash, for failover)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(timeout=STOP_TIMEOUT_S)
+
     def decisions(self) -> list[Decision]:
-        """Every decision of every key's loop, in the order the service took them."""
+        """Every decision of every key's loop, in the order the service took them. Whole
+        lines only: the service may be writing one now, or have been killed in one."""
         if not self.decisions_path.exists():
             raise ControlProcessError(
                 f"tabletune control wrote no decisions:\n{self.log_path.read_text()}")
-        return [Decision.from_dict(json.loads(line))
-                for line in self.decisions_path.read_text().splitlines() if line]
+        whole = self.decisions_path.read_text().split("\n")[:-1]
+        return [Decision.from_dict(json.loads(line)) for line in whole if line]
 
     def summary(self) -> dict[str, Any]:
         """The service's exit line (records, errors, each key's state, `cpu_s`, `wall_s`)."""

@@ -26,6 +26,7 @@ class What(enum.StrEnum):
     REPROFILE_RESTARTED = "reprofile_restarted"
     REPROFILE_ABANDONED = "reprofile_abandoned"
     SETTLE_REFIT = "settle_refit"
+    PROBE_NEIGHBOURS = "probe_neighbours"
     CONFIRM = "confirm"
     INTERIM = "interim"
     REFIT = "refit"

@@ -379,8 +379,7 @@ class ClosedLoop:
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:
         self._follow_up_s = None  # the re-profile's own refit schedules the next one
-        self.planner.start_reprofile(now_s, restarted=restarted, hidden=hidden)
-        if self.planner.sweep is None:
+        if not self.planner.start_reprofile(now_s, restarted=restarted, hidden=hidden):
             # nothing to force: the next refit reads the settled steps, and publishes only
             # on a gain clear of its error (a few requests' acceptance is no evidence)
             self._next_refit_s = now_s + self.config.reprofile_settle_s

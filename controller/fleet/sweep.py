@@ -65,6 +65,9 @@ class Sweep:
     """A one-engine key's re-profile: short blocks at what the drift hid, and its fits keep
     the settling stretch (the table's own K at the new traffic)."""
 
+    climbs: int = 0
+    """Fits a probe made of its pick, to run its neighbours (`PROBE_NEIGHBOURS`)."""
+
     late_s: float = 0.0
     """How far the blocks run behind their plan: a tick that came after a whole block's
     end ran that block from then on rather than skipping it."""

@@ -37,6 +37,16 @@ of the engines they force, at their recent rate: 1.5 x MIN_FIT_RECORDS, as the r
 with the K forced (docs/TUNING.md)."""
 
 
+PROBE_NEIGHBOURS = 3
+"""Fits a probe makes, once its steps are in, of the K it would choose at the load running:
+each then runs a block at that K and at its neighbours where the load has too few steps of
+them. A step time is not a line in K: a 2-core CPU at 16 requests ran K0-K4 in 70, 90, 134,
+167 and 222 ms, and a fit of K0, K4 and the table's K priced K1 at 147 ms, so it kept K3
+where K1 led by 19%. Three climbs reach any K of five from either end."""
+PROBE_MEASURED_STEPS = 20
+"""Steps at a K, within the drift detector's coverage factor of the load running, that
+price it there without a block (a probe's own block at it always does)."""
+
 PROBE_LONGEST_S = 120.0
 """A one-engine key's probe waits at most this long after the drift for its refit's
 MIN_FIT_RECORDS steps (a slow engine runs its table meanwhile, unforced); then the loop goes
@@ -100,17 +110,16 @@ class SweepPlanner:
         self.decisions.note(now_s, What.PROFILE, blocks=len(blocks), block_s=block_s)
 
     def start_reprofile(self, now_s: float, *, restarted: bool = False,
-                        hidden: Hidden = Hidden.COST) -> None:
+                        hidden: Hidden = Hidden.COST) -> bool:
         """The settling stretch, then every K up and back down on the canaries; the
         confirmation is planned when those blocks run out. A one-engine key probes what the
-        drift left `hidden` instead."""
+        drift left `hidden` instead. False: nothing to sweep (acceptance fell)."""
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
         targets = self._canaries(now_s)
         if not targets and cfg.probe_block_s > 0:
-            self._start_probe(now_s, restarted=restarted, hidden=hidden)
-            return
+            return self._start_probe(now_s, restarted=restarted, hidden=hidden)
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
         block_s, confirm_s = self._sized_for_steps(now_s, targets)
@@ -124,8 +133,9 @@ class SweepPlanner:
         self.decisions.note(now_s, What.REPROFILE, targets=list(self.sweep.targets),
                             **stretched)
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
+        return True
 
-    def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> None:
+    def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
         """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
         firing is refitted without), then the table until the refit has its steps."""
@@ -133,7 +143,7 @@ class SweepPlanner:
         if hidden is Hidden.NOTHING:  # no sweep: the loop's next refit is gated as any
             self.sweep = None
             self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
-            return
+            return False
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
         blocks: list[int | None] = [None]
@@ -151,6 +161,7 @@ class SweepPlanner:
         forced = [k for k in blocks if k is not None]
         self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
                             probe_k=forced, probe_s=round(float(np.sum(lengths[1:])), 2))
+        return True
 
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),
@@ -168,6 +179,8 @@ class SweepPlanner:
             return SweepProgress.RUNNING
         if index >= len(sweep.blocks) and sweep.probe and self._probe_waits(sweep, now_s):
             return SweepProgress.RUNNING
+        if index >= len(sweep.blocks) and sweep.probe and self._probe_neighbours(sweep, now_s):
+            index = sweep.block_at(now_s)
         if index >= len(sweep.blocks):
             return SweepProgress.DONE
         if index == sweep.index:
@@ -226,6 +239,49 @@ class SweepPlanner:
         until they make a fit (at most PROBE_LONGEST_S)."""
         return (self._records_held(sweep, now_s) < MIN_FIT_RECORDS
                 and now_s - sweep.started_s < PROBE_LONGEST_S)
+
+    def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
+        """Whether the probe runs more blocks: the K a fit would now choose at the load
+        running, and its neighbours, where the load has too few of their steps and the
+        forced budget grants them (at most PROBE_NEIGHBOURS fits)."""
+        if sweep.climbs >= PROBE_NEIGHBOURS:
+            return False
+        sweep.climbs += 1
+        since = self.window.window(now_s, since_s=sweep.records_from_s)
+        records = self.window.fit_records(now_s)
+        if since is None or records is None or since.num_rows < MIN_FIT_RECORDS:
+            return False
+        envelope = self.fitter(records, now_s, reason="probe", version=1,
+                               half_life_s=self.config.half_life_s,
+                               tolerance=self.config.tolerance, k_values=self.k_values)
+        if envelope is None:
+            return False
+        batch = since.column("batch_size").to_numpy()
+        k = since.column("k").to_numpy()
+        median = float(np.median(batch))
+        factor = self.config.drift.coverage_factor
+        at_load = (batch >= median / factor) & (batch <= median * factor)
+        chosen = envelope.table.k_for(int(np.clip(round(median), 1, self.limits.max_batch)))
+        if chosen not in self.k_values:
+            return False
+        at = self.k_values.index(chosen)
+        unmeasured = [value for value in self.k_values[max(0, at - 1):at + 2]
+                      if value not in sweep.blocks
+                      and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
+        added = []
+        for value in unmeasured:
+            block_s = self.budget.grant(now_s + float(np.sum([b for _, b in added])),
+                                        self.config.probe_block_s)
+            if block_s:
+                added.append((value, block_s))
+        if not added:
+            return False
+        sweep.blocks += [value for value, _ in added] + [None]
+        sweep.block_s += [length for _, length in added] + [0.0]
+        self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen,
+                            batch=round(median, 1), probe_k=[value for value, _ in added],
+                            probe_s=round(sum(length for _, length in added), 2))
+        return True
 
     def _records_held(self, sweep: Sweep, now_s: float) -> int:
         """Step records since the sweep's fits begin."""

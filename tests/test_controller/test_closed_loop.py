@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from controller.fleet.forced_budget import FORCED_WINDOW_S
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
-from controller.fleet.sweep_planner import PROBE_LONGEST_S
+from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
 from twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
@@ -112,7 +113,9 @@ def test_after_a_load_jump_tabletune_runs_near_the_best_fixed_k() -> None:
 def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     """The load moved (16 -> 128 users): every K's cost at 128 is unmeasured, so the probe
     forces the largest K and then the smallest, one short block each, beside the table's own
-    K in the settling stretch."""
+    K in the settling stretch. Then it climbs: where a fit of those steps picks a K that, or
+    whose neighbours, the new load has too few steps of, one short block at each, never a K
+    it forced before."""
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
         PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
                     prompt_len=355, output_len=300),
@@ -134,8 +137,17 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     runs = [(int(k_next[run[0]]), float(ts[run[-1]] - ts[run[0]]))
             for run in np.split(during, np.flatnonzero(np.diff(k_next[during]) != 0) + 1)
             if run.size >= 5]  # not a lone exploration probe
-    assert [k for k, _ in runs] == [7, 0], runs
+    climbs = [d for d in decisions if d.what == "probe_neighbours"
+              and reprofile.t_s < d.t_s < refit.t_s]
+    assert len(climbs) <= PROBE_NEIGHBOURS
+    climbed = [k for d in climbs for k in d.fields["probe_k"]]
+    assert [k for k, _ in runs] == [7, 0, *climbed], (runs, climbs)
+    assert len(set(climbed) | {7, 0}) == len(climbed) + 2, climbs
+    for climb in climbs:  # the pick or its neighbours
+        assert all(abs(k - climb.fields["chosen"]) <= 1 for k in climb.fields["probe_k"])
     assert all(seconds <= config.probe_block_s + 1.0 for _, seconds in runs), runs
+    granted = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
+    assert granted <= config.probe_share * FORCED_WINDOW_S + 1e-9  # the budget's ten minutes
 
 
 def test_the_confirmation_runs_three_k_values_even_at_the_ends_of_the_k_set() -> None:
@@ -336,14 +348,15 @@ def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_tabl
     assert tt_rate > 1.05 * stale_rate, (tt_rate, stale_rate, decisions)
 
 
-def test_a_one_engine_keys_reprofile_forces_one_short_block_at_the_largest_k() -> None:
+def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() -> None:
     """A key with one engine has no canary: after `stale` its re-profile runs its table for
     the settling stretch, then the largest K for `probe_block_s` (acceptance at every draft
     position, that K's cost at the new load), then its table again until the refit has its
-    steps (a slow engine's here), and refits on all of them. No other block is forced,
-    forced steps stay within the probe's and exploration's shares, and the new table beats
-    the stale one held. Acceptance rises here (the best K from 1 to 3): the table's K
-    censors what it gained above it."""
+    steps (a slow engine's here). Then it climbs: a fit of them picks a K, and the pick and
+    its neighbours that the load has too few steps of run one short block each. Then it
+    refits on all of them. No other block is forced, forced steps stay within the probe's
+    and exploration's shares, and the new table beats the stale one held. Acceptance rises
+    here (the best K from 1 to 3): the table's K censors what it gained above it."""
     scenario = slow_engine(LOW, EAGLE)
     policy, sink = TabletunePolicy(), MemorySink()
     tt = run_scenario(scenario, policy, sink=sink)
@@ -358,17 +371,23 @@ def test_a_one_engine_keys_reprofile_forces_one_short_block_at_the_largest_k() -
     assert refit.fields["reason"] == "stale" and refit.fields["version"] == 2, decisions
     assert refit.t_s - reprofile.t_s <= PROBE_LONGEST_S + 1.0
     assert "confirm" not in [d.what for d in decisions]
+    climbs = [d for d in decisions if d.what == "probe_neighbours"
+              and reprofile.t_s < d.t_s <= refit.t_s]
+    assert 1 <= len(climbs) <= PROBE_NEIGHBOURS, decisions
+    climbed = [k for d in climbs for k in d.fields["probe_k"]]
 
     records = sink.table()
     ts = records.column("ts_ns").to_numpy() / 1e9
     forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
     k_next = records.column("k_next").to_numpy()
     during = np.flatnonzero((ts >= stale.t_s) & (ts < refit.t_s) & forced)
-    probe = during[k_next[during] == 7]
-    assert probe.size >= 3 and during.size - probe.size <= 2, k_next[during]  # + lone probes
-    assert (np.diff(probe) == 1).all(), probe  # one block
-    # the release goes out at the first control tick (1 s here) after the block's end
-    assert ts[probe[-1]] - ts[probe[0]] <= config.probe_block_s + 1.0
+    breaks = (np.diff(during) != 1) | (np.diff(k_next[during]) != 0)
+    runs = [run for run in np.split(during, np.flatnonzero(breaks) + 1)
+            if run.size >= 3]  # not a lone exploration probe
+    assert [int(k_next[run[0]]) for run in runs] == [7, *climbed], k_next[during]
+    assert during.size - sum(run.size for run in runs) <= 2, k_next[during]  # lone probes
+    # the release goes out at the first control tick (1 s here) after a block's end
+    assert all(ts[run[-1]] - ts[run[0]] <= config.probe_block_s + 1.0 for run in runs)
     after = ts >= policy.loop.applied[0][0]
     share = forced[after].mean()
     assert share <= config.probe_share + config.exploration.share, share

@@ -408,10 +408,10 @@ class ClosedLoop:
             signature = Signature.of(records)  # every K's blocks: a later table runs any K
             self._table_regime = None
             if records is not None and signature is not None:
-                self._table_regime = Regime(signature, records, sweep.confirmed or None,
-                                            steps_since_s, now_s, reason)
-                self.regimes.remember(self._table_regime,
-                                      self.config.drift.acceptance_threshold)
+                self._table_regime = self.regimes.remember(
+                    Regime(signature, records, sweep.confirmed or None, steps_since_s, now_s,
+                           reason),
+                    self.config.drift.acceptance_threshold)
 
     def _leave_sweep(self, now_s: float) -> None:
         """The sweep is over (done or abandoned): its force released, the loop LIVE."""

@@ -11,6 +11,7 @@ regime, the loop refits on that regime's sweep and publishes at once, with no fo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -73,6 +74,13 @@ class Signature:
             return None
         return cls(acceptance, counts, float(np.median(records.column("batch_size").to_numpy())))
 
+    def keeping(self, older: Signature) -> Signature:
+        """This signature, with the K values only `older` read (the same traffic measured
+        at other K): first-position acceptance depends on K, so the next drift, read at
+        whatever K the table then runs, finds a K to compare at."""
+        return Signature({**older.acceptance, **self.acceptance},
+                         {**older.drafts, **self.drafts}, self.batch)
+
     def distance(self, other: Signature) -> tuple[float, float] | None:
         """(|log acceptance ratio| at the shared K with the most drafts on both sides, else
         at the nearest K values within NEAREST_K_GAP, |log batch ratio|); None without."""
@@ -109,12 +117,19 @@ class RegimeMemory:
     def __len__(self) -> int:
         return len(self._regimes)
 
-    def remember(self, regime: Regime, acceptance_threshold: float) -> None:
-        """Keep `regime`; one it matches (the same traffic measured again) is replaced."""
-        self._regimes = [r for r in self._regimes
-                         if not _matches(r.signature, regime.signature, acceptance_threshold)]
-        self._regimes.append(regime)
+    def remember(self, regime: Regime, acceptance_threshold: float) -> Regime:
+        """Keep `regime` and return what is kept: one it matches (the same traffic measured
+        again) is replaced, its signature's other K kept in the new one's."""
+        same = [r for r in self._regimes
+                if _matches(r.signature, regime.signature, acceptance_threshold)]
+        signature = regime.signature
+        for older in same:
+            signature = signature.keeping(older.signature)
+        kept = dataclasses.replace(regime, signature=signature)
+        self._regimes = [r for r in self._regimes if not any(r is o for o in same)]
+        self._regimes.append(kept)
         del self._regimes[:-MAX_REGIMES]
+        return kept
 
     def recall(self, signature: Signature | None, acceptance_threshold: float, *,
                stale: Regime | None = None) -> Regime | None:

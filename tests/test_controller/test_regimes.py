@@ -58,6 +58,25 @@ def test_the_closest_matching_regime_is_recalled() -> None:
     assert again is not None and again.learned_s == 30.0
 
 
+def test_traffic_measured_again_keeps_the_k_values_it_was_read_at_before() -> None:
+    """Code measured at K2 (a chat table's K, in its settling stretch), then again at K5-K7
+    only: the second regime replaces the first, and its signature keeps K2, so code read
+    again at K2 (the next chat table's K) is still recalled. First-position acceptance
+    depends on K (0.6 at K2, 0.4 at K7 here), and K2 is too far from K5 to compare."""
+    memory = RegimeMemory()
+    first = Signature.of(pa.concat_tables([_steps(0.6, 2), _steps(0.4, 7)]))
+    again = Signature.of(pa.concat_tables([_steps(0.5, 5), _steps(0.4, 7)]))
+    at_k2 = Signature.of(_steps(0.6, 2))
+    assert first is not None and again is not None and at_k2 is not None
+    assert again.distance(at_k2) is None  # alone, the second could not be recalled at K2
+    memory.remember(_regime(first, 10.0), THRESHOLD)
+    kept = memory.remember(_regime(again, 20.0), THRESHOLD)
+    assert len(memory) == 1 and kept.learned_s == 20.0
+    assert kept.signature.acceptance == {2: 0.6, 5: 0.5, 7: 0.4}
+    recalled = memory.recall(at_k2, THRESHOLD)
+    assert recalled is kept
+
+
 def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
     re-profile; each return is recalled from the sweep that measured it."""

@@ -62,7 +62,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from controller.drift import DriftDetector
+from controller.drift import DriftDetector, DriftReport
 from controller.engine.agent import Mode, TableAgent
 from controller.fleet.channel import ControlChannel
 from controller.fleet.conflict_watch import ConflictWatch
@@ -323,8 +323,11 @@ class ClosedLoop:
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
         report = self.drift.observe(steps)
-        if report is None:
-            return
+        if report is not None:
+            self._stale(report, now_s)
+
+    def _stale(self, report: DriftReport, now_s: float) -> None:
+        """The table is stale: recall a regime seen before, or re-profile."""
         self.status.emit("stale", **report.fields())
         self._decisions.note(now_s, What.STALE, **report.fields())
         self.guardrail.reset_baseline()
@@ -337,6 +340,28 @@ class ClosedLoop:
                                                               report.magnitude))
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _unmeasured_probed(self, records: pa.Table, now_s: float) -> bool:
+        """A one-engine key whose steps since the last refit ran past the load the running
+        table's fit measured: its K there is a guess, and so is a refit's. The drift
+        detector's coverage signal waits for its window; the refit that sees it first
+        probes the load (decision `stale`, signal `coverage`) instead of publishing a
+        guess that, once published, the coverage signal would no longer question (the
+        real one -> sixteen -> one run: K0 published for 14-16 requests, where K1 led by
+        15%, for the rest of the phase)."""
+        cfg = self.config
+        if not cfg.reprofile_on_stale or not self.planner.probes(now_s):
+            return False
+        batch = records.column("batch_size").to_numpy().astype(np.int64)
+        seconds = records.column("ts_ns").to_numpy() / 1e9
+        recent = batch[seconds >= seconds.max() - cfg.refit_interval_s]
+        running = self.publisher.agent.desired()
+        if not running_unmeasured(running, recent):
+            return False
+        measured = float((running.surface or {})["measured_requests"])  # type: ignore[union-attr]
+        self._stale(DriftReport("coverage", float(np.mean(recent > measured)), math.inf,
+                                int(recent.size), self.agent.state.desired_version), now_s)
+        return True
 
     def _recall(self, stale_version: int, now_s: float) -> bool:
         """Traffic that a re-profile measured before (`RegimeMemory`): refit on that sweep and
@@ -451,6 +476,8 @@ class ClosedLoop:
                                                             records_since_s or steps_since_s))
             fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
         if records is None or records.num_rows < MIN_FIT_RECORDS:
+            return True
+        if reason == "periodic" and self._unmeasured_probed(records, now_s):
             return True
         version = self.agent.state.newest_version + 1
         envelope = self.fitter(records, fit_s, reason=reason, version=version,

@@ -135,6 +135,10 @@ class SweepPlanner:
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
         return True
 
+    def probes(self, now_s: float) -> bool:
+        """Whether a re-profile now would be a one-engine key's probe."""
+        return self.config.probe_block_s > 0 and not self._canaries(now_s)
+
     def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
         """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from controller.drift import DriftConfig
 from controller.fleet.forced_budget import FORCED_WINDOW_S
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
@@ -148,6 +149,34 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     assert all(seconds <= config.probe_block_s + 1.0 for _, seconds in runs), runs
     granted = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
     assert granted <= config.probe_share * FORCED_WINDOW_S + 1e-9  # the budget's ten minutes
+
+
+def test_a_periodic_refit_that_finds_the_load_unmeasured_probes_it() -> None:
+    """The load moved past what the running table's fit measured (16 -> 128 users), and a
+    periodic refit sees it before the drift detector (its coverage signal off here): the
+    refit calls the table stale and probes the load, where it would have published a
+    guess there that, once published, the coverage signal no longer questions."""
+    config = LoopConfig(drift=DriftConfig(coverage_threshold=1.01))  # never fires
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=150, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy = TabletunePolicy(config)
+    tt = run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    after = [d for d in policy.loop.decisions if d.t_s > 90.0]
+    stale = next(d for d in after if d.what == "stale")
+    assert stale.fields["signal"] == "coverage" and stale.fields["z"] == 999.0, after
+    assert not [d for d in after if d.what == "stage" and d.t_s <= stale.t_s], after
+    reprofile = next(d for d in after if d.what == "reprofile")
+    assert reprofile.t_s == stale.t_s and reprofile.fields["hidden"] == "cost", after
+    stage = next(d for d in after if d.what == "stage")
+    refit = next(d for d in after if d.what == "refit" and d.t_s == stage.t_s)
+    assert refit.fields["reason"] == "stale", after
+    best = max(rate(run_scenario(scenario, f"fixed:{k}"), stage.t_s, 240.0) for k in range(8))
+    assert rate(tt, stage.t_s, 240.0) >= 0.97 * best, (rate(tt, stage.t_s, 240.0), best)
 
 
 def test_the_confirmation_runs_three_k_values_even_at_the_ends_of_the_k_set() -> None:

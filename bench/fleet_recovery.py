@@ -82,8 +82,10 @@ def _kill_owner_mid_reprofile(fleet: Fleet, replicas: list[ControlProcess],
             if started:
                 time.sleep(kill_after_s)
                 replica.kill()
+                done = any(d.what == "refit" and d.fields.get("reason") == "stale"
+                           and d.t_s >= started[0].t_s for d in replica.decisions())
                 return {"killed": index, "reprofile_t_s": round(started[0].t_s - fleet.epoch_s, 1),
-                        "killed_at_s": round(fleet.clock_s, 1)}
+                        "killed_at_s": round(fleet.clock_s, 1), "reprofile_done_before": done}
         time.sleep(WATCH_S)
     return None
 

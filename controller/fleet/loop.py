@@ -72,7 +72,7 @@ from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
-from controller.fleet.refit_gate import predicted_gain, running_unmeasured
+from controller.fleet.refit_gate import measured_requests, predicted_gain, running_unmeasured
 from controller.fleet.regimes import (
     RECALL_TRUST_S,
     SIGNATURE_S,
@@ -342,24 +342,26 @@ class ClosedLoop:
             self._next_refit_s = now_s + self.config.drift.window_s
 
     def _unmeasured_probed(self, records: pa.Table, now_s: float) -> bool:
-        """A one-engine key whose steps since the last refit ran past the load the running
-        table's fit measured: its K there is a guess, and so is a refit's. The drift
-        detector's coverage signal waits for its window; the refit that sees it first
-        probes the load (decision `stale`, signal `coverage`) instead of publishing a
-        guess that, once published, the coverage signal would no longer question (the
-        real one -> sixteen -> one run: K0 published for 14-16 requests, where K1 led by
-        15%, for the rest of the phase)."""
+        """A one-engine key whose steps since the last refit ran past the drift detector's
+        coverage factor times the load the running table's fit measured: its K there is a
+        guess, and so is a refit's. The detector's coverage signal waits for its window;
+        the refit that sees it first probes the load (decision `stale`, signal
+        `coverage`) instead of publishing a guess that, once published, the coverage
+        signal would no longer question (the real one -> sixteen -> one run: K0 published
+        for 14-16 requests, where K1 led by 15%, for the rest of the phase)."""
         cfg = self.config
         if not cfg.reprofile_on_stale or not self.planner.probes(now_s):
             return False
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         seconds = records.column("ts_ns").to_numpy() / 1e9
         recent = batch[seconds >= seconds.max() - cfg.refit_interval_s]
-        running = self.publisher.agent.desired()
-        if not running_unmeasured(running, recent):
+        measured = measured_requests(self.publisher.agent.desired())
+        if measured is None or not recent.size:
             return False
-        measured = float((running.surface or {})["measured_requests"])  # type: ignore[union-attr]
-        self._stale(DriftReport("coverage", float(np.mean(recent > measured)), math.inf,
+        past = cfg.drift.coverage_factor * max(measured, 1.0)
+        if float(np.median(recent)) <= past:
+            return False
+        self._stale(DriftReport("coverage", float(np.mean(recent > past)), math.inf,
                                 int(recent.size), self.agent.state.desired_version), now_s)
         return True
 

@@ -123,7 +123,7 @@ class RegimeMemory:
         same = [r for r in self._regimes
                 if _matches(r.signature, regime.signature, acceptance_threshold)]
         signature = regime.signature
-        for older in same:
+        for older in reversed(same):  # most recently used first: its readings win
             signature = signature.keeping(older.signature)
         kept = dataclasses.replace(regime, signature=signature)
         self._regimes = [r for r in self._regimes if not any(r is o for o in same)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+import pyarrow as pa
 
 from controller.fleet.decisions import DecisionLog, What
 from controller.fleet.forced_budget import ForcedBudget
@@ -42,7 +43,7 @@ PROBE_NEIGHBOURS = 3
 each then runs a block at that K and at its neighbours where the load has too few steps of
 them. A step time is not a line in K: a 2-core CPU at 16 requests ran K0-K4 in 70, 90, 134,
 167 and 222 ms, and a fit of K0, K4 and the table's K priced K1 at 147 ms, so it kept K3
-where K1 led by 19%. Three climbs reach any K of five from either end."""
+where K1 led by 19%. Each climb moves one K from the last pick: three reach K1 from K4."""
 PROBE_MEASURED_STEPS = 20
 """Steps at a K, within the drift detector's coverage factor of the load running, that
 price it there without a block (a probe's own block at it always does)."""
@@ -245,47 +246,66 @@ class SweepPlanner:
                 and now_s - sweep.started_s < PROBE_LONGEST_S)
 
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
-        """Whether the probe runs more blocks: the K a fit would now choose at the load
-        running, and its neighbours, where the load has too few of their steps and the
-        forced budget grants them (at most PROBE_NEIGHBOURS fits)."""
+        """Whether the probe climbs: blocks at the K a fit of its steps would run at the
+        load, and at that K's neighbours, that the load has too few steps of and the forced
+        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`."""
         if sweep.climbs >= PROBE_NEIGHBOURS:
             return False
         sweep.climbs += 1
+        # the records its refit will read: the steps since the drift
         since = self.window.window(now_s, since_s=sweep.records_from_s)
-        records = self.window.fit_records(now_s)
-        if since is None or records is None or since.num_rows < MIN_FIT_RECORDS:
+        if since is None or since.num_rows < MIN_FIT_RECORDS:
             return False
-        envelope = self.fitter(records, now_s, reason="probe", version=1,
-                               half_life_s=self.config.half_life_s,
-                               tolerance=self.config.tolerance, k_values=self.k_values)
-        if envelope is None:
+        pick = self._pick_at_load(since, now_s)
+        if pick is None:
             return False
-        batch = since.column("batch_size").to_numpy()
-        k = since.column("k").to_numpy()
-        median = float(np.median(batch))
-        factor = self.config.drift.coverage_factor
-        at_load = (batch >= median / factor) & (batch <= median * factor)
-        chosen = envelope.table.k_for(int(np.clip(round(median), 1, self.limits.max_batch)))
-        if chosen not in self.k_values:
-            return False
-        at = self.k_values.index(chosen)
-        unmeasured = [value for value in self.k_values[max(0, at - 1):at + 2]
-                      if value not in sweep.blocks
-                      and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
-        added = []
-        for value in unmeasured:
-            block_s = self.budget.grant(now_s + float(np.sum([b for _, b in added])),
-                                        self.config.probe_block_s)
-            if block_s:
-                added.append((value, block_s))
+        chosen, median = pick
+        added = self._granted(self._unmeasured_near(since, sweep, chosen, median), now_s)
         if not added:
             return False
-        sweep.blocks += [value for value, _ in added] + [None]
-        sweep.block_s += [length for _, length in added] + [0.0]
+        sweep.extend(now_s, [k for k, _ in added] + [None],
+                     [length for _, length in added] + [0.0])
         self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen,
-                            batch=round(median, 1), probe_k=[value for value, _ in added],
+                            batch=round(median, 1), probe_k=[k for k, _ in added],
                             probe_s=round(sum(length for _, length in added), 2))
         return True
+
+    def _pick_at_load(self, records: pa.Table, now_s: float) -> tuple[int, float] | None:
+        """(the K a fit of `records` runs at their median batch size, that median)."""
+        cfg = self.config
+        envelope = self.fitter(records, now_s, reason="probe", version=1,
+                               half_life_s=cfg.half_life_s, tolerance=cfg.tolerance,
+                               k_values=self.k_values)
+        if envelope is None:
+            return None
+        median = float(np.median(records.column("batch_size").to_numpy()))
+        chosen = envelope.table.k_for(int(np.clip(round(median), 1, self.limits.max_batch)))
+        return (chosen, median) if chosen in self.k_values else None
+
+    def _unmeasured_near(self, records: pa.Table, sweep: Sweep, chosen: int,
+                         median: float) -> list[int]:
+        """`chosen`, then the K below and above it, that `sweep` has not forced and that
+        `records` hold fewer than PROBE_MEASURED_STEPS steps of within the drift detector's
+        coverage factor of `median`."""
+        batch = records.column("batch_size").to_numpy()
+        k = records.column("k").to_numpy()
+        factor = self.config.drift.coverage_factor
+        at_load = (batch >= median / factor) & (batch <= median * factor)
+        at = self.k_values.index(chosen)
+        near = [chosen, *self.k_values[max(0, at - 1):at], *self.k_values[at + 1:at + 2]]
+        return [value for value in near if value not in sweep.blocks
+                and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
+
+    def _granted(self, wanted: list[int], now_s: float) -> list[tuple[int, float]]:
+        """(K, seconds) of each of `wanted`, back to back from `now_s`, as far as the forced
+        budget grants them."""
+        granted, start_s = [], now_s
+        for k in wanted:
+            block_s = self.budget.grant(start_s, self.config.probe_block_s)
+            if block_s:
+                granted.append((k, block_s))
+                start_s += block_s
+        return granted
 
     def _records_held(self, sweep: Sweep, now_s: float) -> int:
         """Step records since the sweep's fits begin."""

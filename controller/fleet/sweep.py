@@ -72,13 +72,6 @@ class Sweep:
     """How far the blocks run behind their plan: a tick that came after a whole block's
     end ran that block from then on rather than skipping it."""
 
-    def extend(self, now_s: float, blocks: list[int | None], lengths: list[float]) -> None:
-        """Append blocks that start at `now_s`: the plan's clock moves to its end first, so
-        a wait before them (an open-ended last block) takes nothing from the first."""
-        self.late_s = now_s - self.started_s - float(np.sum(self.block_s))
-        self.blocks += blocks
-        self.block_s += lengths
-
     def block_at(self, now_s: float) -> int:
         """The block to run at `now_s` (len(blocks) once all ran). At most one block further
         than the last one asked for: with ticks coarser than a block (telemetry arriving in

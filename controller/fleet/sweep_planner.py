@@ -246,45 +246,47 @@ class SweepPlanner:
                 and now_s - sweep.started_s < PROBE_LONGEST_S)
 
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
-        """Whether the probe climbs: blocks at the K a fit of its steps would run at the
-        load, and at that K's neighbours, that the load has too few steps of and the forced
-        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`."""
+        """Whether the probe climbs: blocks at the K a fit would run at the probe's load,
+        and at that K's neighbours, that the load has too few steps of and the forced
+        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`; the first
+        may run up to a tick short, its wait being the open-ended stretch before it."""
         if sweep.climbs >= PROBE_NEIGHBOURS:
             return False
         sweep.climbs += 1
-        # the records its refit will read: the steps since the drift
         since = self.window.window(now_s, since_s=sweep.records_from_s)
-        if since is None or since.num_rows < MIN_FIT_RECORDS:
+        records = self.window.fit_records(now_s)
+        if since is None or records is None or since.num_rows < MIN_FIT_RECORDS:
             return False
-        pick = self._pick_at_load(since, now_s)
-        if pick is None:
+        median = float(np.median(since.column("batch_size").to_numpy()))
+        chosen = self._pick_at_load(records, now_s, median)
+        if chosen is None:
             return False
-        chosen, median = pick
         added = self._granted(self._unmeasured_near(since, sweep, chosen, median), now_s)
         if not added:
             return False
-        sweep.extend(now_s, [k for k, _ in added] + [None],
-                     [length for _, length in added] + [0.0])
+        sweep.blocks += [k for k, _ in added] + [None]
+        sweep.block_s += [length for _, length in added] + [0.0]
         self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen,
                             batch=round(median, 1), probe_k=[k for k, _ in added],
                             probe_s=round(sum(length for _, length in added), 2))
         return True
 
-    def _pick_at_load(self, records: pa.Table, now_s: float) -> tuple[int, float] | None:
-        """(the K a fit of `records` runs at their median batch size, that median)."""
+    def _pick_at_load(self, records: pa.Table, now_s: float, median: float) -> int | None:
+        """The K a fit of `records` runs at batch size `median`: the recent window and the
+        last sweep's records, as a periodic refit reads them (the probe's refit reads only
+        the steps since the drift)."""
         cfg = self.config
         envelope = self.fitter(records, now_s, reason="probe", version=1,
                                half_life_s=cfg.half_life_s, tolerance=cfg.tolerance,
                                k_values=self.k_values)
         if envelope is None:
             return None
-        median = float(np.median(records.column("batch_size").to_numpy()))
         chosen = envelope.table.k_for(int(np.clip(round(median), 1, self.limits.max_batch)))
-        return (chosen, median) if chosen in self.k_values else None
+        return chosen if chosen in self.k_values else None
 
     def _unmeasured_near(self, records: pa.Table, sweep: Sweep, chosen: int,
                          median: float) -> list[int]:
-        """`chosen`, then the K below and above it, that `sweep` has not forced and that
+        """`chosen` and the K below and above it, that `sweep` has not forced and that
         `records` hold fewer than PROBE_MEASURED_STEPS steps of within the drift detector's
         coverage factor of `median`."""
         batch = records.column("batch_size").to_numpy()
@@ -292,11 +294,12 @@ class SweepPlanner:
         factor = self.config.drift.coverage_factor
         at_load = (batch >= median / factor) & (batch <= median * factor)
         at = self.k_values.index(chosen)
-        near = [chosen, *self.k_values[max(0, at - 1):at], *self.k_values[at + 1:at + 2]]
+        near = self.k_values[max(0, at - 1):at + 2]
         return [value for value in near if value not in sweep.blocks
                 and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
 
-    def _granted(self, wanted: list[int], now_s: float) -> list[tuple[int, float]]:
+    def _granted(self, wanted: list[int] | tuple[int, ...], now_s: float
+                 ) -> list[tuple[int, float]]:
         """(K, seconds) of each of `wanted`, back to back from `now_s`, as far as the forced
         budget grants them."""
         granted, start_s = [], now_s

@@ -319,12 +319,18 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
         survivor = next(r for r in replicas if r is not owner)
         owner.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        logged_at_stop = len(owner.log())
         assert wait_for(lambda: claims_of(tables_log(settings), target)[-1].issued_by
                         == survivor.issued_by, 30), survivor.log()
         time.sleep(max(0.0, 4 * SHORT_SESSION_S - (time.monotonic() - stopped_at)))
         owner.signal(signal.SIGCONT)
-        # the woken replica rejoins the group; the engines go on, whoever serves them
-        assert wait_for(lambda: "the group expired this member" in owner.log(), 30), owner.log()
+        # the woken replica learns it lost its slots: expired (lost) when its heartbeat
+        # answers first, revoked or reassigned when a rejoin does; the engines go on
+        def woke_to_its_loss() -> bool:
+            since_stop = owner.log()[logged_at_stop:]
+            return any(sign in since_stop for sign in (
+                "the group expired this member", "revoked", "ownership: epoch"))
+        assert wait_for(woke_to_its_loss, 30), owner.log()
         for fleet in fleets:
             fleet.join()
     log = tables_log(settings)

@@ -23,6 +23,7 @@ phase itself. Their decisions are merged for the scoring.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -56,19 +57,15 @@ def run_production(scenario: Scenario, engines: int, speedup: float, work: Path,
     failover: when and which replica was killed, None without `kill_after_s`)."""
     with EmbeddedBroker() as broker:
         env = {"TABLETUNE_BOOTSTRAP": broker.bootstrap}
-        settings = Settings.from_env(env)
-        if kill_after_s is None:
-            with ControlProcess(env, work) as control:
-                fleet = Fleet(scenario, settings,
-                              FleetConfig(engines=engines, speedup=speedup)).start()
-                result = fleet.join()
-            return result, control.decisions(), fleet.epoch_s, None
-        with ControlProcess(env, work / "a") as first, ControlProcess(env, work / "b") as second:
-            fleet = Fleet(scenario, settings,
+        with contextlib.ExitStack() as stack:
+            replicas = [stack.enter_context(ControlProcess(env, work / f"control-{i}"))
+                        for i in range(1 if kill_after_s is None else 2)]
+            fleet = Fleet(scenario, Settings.from_env(env),
                           FleetConfig(engines=engines, speedup=speedup)).start()
-            failover = _kill_owner_mid_reprofile(fleet, [first, second], kill_after_s)
+            failover = (None if kill_after_s is None
+                        else _kill_owner_mid_reprofile(fleet, replicas, kill_after_s))
             result = fleet.join()
-        decisions = sorted(first.decisions() + second.decisions(), key=lambda d: d.t_s)
+        decisions = sorted((d for r in replicas for d in r.decisions()), key=lambda d: d.t_s)
         return result, decisions, fleet.epoch_s, failover
 
 

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from numpy.typing import NDArray
 
 from controller.drift import DriftDetector, DriftReport
 from controller.engine.agent import Mode, TableAgent
@@ -352,9 +353,7 @@ class ClosedLoop:
         cfg = self.config
         if not cfg.reprofile_on_stale or not self.planner.probes(now_s):
             return False
-        batch = records.column("batch_size").to_numpy().astype(np.int64)
-        seconds = records.column("ts_ns").to_numpy() / 1e9
-        recent = batch[seconds >= seconds.max() - cfg.refit_interval_s]
+        recent = _latest_batch_sizes(records, cfg.refit_interval_s)
         measured = measured_requests(self.publisher.agent.desired())
         if measured is None or not recent.size:
             return False
@@ -494,9 +493,8 @@ class ClosedLoop:
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.publisher.running_table()
         gain, stderr = predicted_gain(envelope, current, batch[-2000:])
-        seconds = records.column("ts_ns").to_numpy() / 1e9
         unmeasured = running_unmeasured(self.publisher.agent.desired(),
-                                        batch[seconds >= seconds.max() - cfg.refit_interval_s])
+                                        _latest_batch_sizes(records, cfg.refit_interval_s))
         self._decisions.note(now_s, What.REFIT, reason=reason, version=version,
                              gain=round(gain, 4), gain_stderr=round(stderr, 4),
                              records=records.num_rows,
@@ -521,6 +519,14 @@ class ClosedLoop:
         if reason in FOLLOWED_UP_REASONS and cfg.follow_up_s > 0:
             self._follow_up_s = now_s + cfg.follow_up_s
         return True
+
+
+def _latest_batch_sizes(records: pa.Table, span_s: float) -> NDArray[np.int64]:
+    """Batch sizes of the steps in the last `span_s` of `records`: the load since the last
+    periodic refit, not the window's."""
+    batch = records.column("batch_size").to_numpy().astype(np.int64)
+    seconds = records.column("ts_ns").to_numpy() / 1e9
+    return batch[seconds >= seconds.max() - span_s]
 
 
 def _ran_against(current: DraftTable, k_values: tuple[int, ...], records: pa.Table,

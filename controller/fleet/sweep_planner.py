@@ -258,7 +258,11 @@ class SweepPlanner:
         if since is None or records is None or since.num_rows < MIN_FIT_RECORDS:
             return False
         median = float(np.median(since.column("batch_size").to_numpy()))
-        chosen = self._pick_at_load(records, now_s, median)
+        # what a periodic refit reads (the window and the last sweep's records); the
+        # probe's own refit then reads only the steps since the drift
+        chosen = self._fit_choice(records, now_s, round(median), reason="probe",
+                                  half_life_s=self.config.half_life_s,
+                                  tolerance=self.config.tolerance)
         if chosen is None:
             return False
         added = self._granted(self._unmeasured_near(since, sweep, chosen, median), now_s)
@@ -271,17 +275,16 @@ class SweepPlanner:
                             probe_s=round(sum(length for _, length in added), 2))
         return True
 
-    def _pick_at_load(self, records: pa.Table, now_s: float, median: float) -> int | None:
-        """The K a fit of `records` runs at batch size `median`: the recent window and the
-        last sweep's records, as a periodic refit reads them (the probe's refit reads only
-        the steps since the drift)."""
-        cfg = self.config
-        envelope = self.fitter(records, now_s, reason="probe", version=1,
-                               half_life_s=cfg.half_life_s, tolerance=cfg.tolerance,
+    def _fit_choice(self, records: pa.Table, now_s: float, batch_size: int, *, reason: str,
+                    half_life_s: float | None, tolerance: float) -> int | None:
+        """The K a fit of `records` runs at `batch_size` (None: no fit, or a K the engines
+        do not run)."""
+        envelope = self.fitter(records, now_s, reason=reason, version=1,
+                               half_life_s=half_life_s, tolerance=tolerance,
                                k_values=self.k_values)
         if envelope is None:
             return None
-        chosen = envelope.table.k_for(int(np.clip(round(median), 1, self.limits.max_batch)))
+        chosen = envelope.table.k_for(int(np.clip(batch_size, 1, self.limits.max_batch)))
         return chosen if chosen in self.k_values else None
 
     def _unmeasured_near(self, records: pa.Table, sweep: Sweep, chosen: int,
@@ -403,11 +406,6 @@ class SweepPlanner:
         records = self.window.window(now_s, since_s=since_s)
         if records is None or records.num_rows < MIN_FIT_RECORDS:
             return None
-        envelope = self.fitter(records, now_s, reason="confirm", version=1, half_life_s=None,
-                               tolerance=0.0, k_values=self.k_values)
-        if envelope is None:
-            return None
-        batch = records.column("batch_size").to_numpy()
-        median = int(np.clip(np.median(batch), 1, self.limits.max_batch))
-        k = envelope.table.k_for(median)
-        return k if k in self.k_values else None
+        median = int(np.median(records.column("batch_size").to_numpy()))
+        return self._fit_choice(records, now_s, median, reason="confirm", half_life_s=None,
+                                tolerance=0.0)

@@ -137,12 +137,35 @@ class DrafterConfig:
     ngram_match_prob: float = 1.0
     """n-gram only: chance of a match where the trace says nothing would be accepted;
     without a match a request proposes no drafts for its next step (SpecDecode-Bench)."""
+    prompt_lookup_max: int | None = None
+    """n-gram on traces: draft for real, running vLLM's prompt lookup on each request's
+    token ids with n-grams of up to this many tokens (`ngram_match_prob` is then moot).
+    Unset: read the trace's recorded acceptance (SpecDecode-Bench drafted with 3..7)."""
+    prompt_lookup_min: int | None = None
+    """The shortest n-gram prompt lookup matches (unset: `prompt_lookup_max`, as in vLLM)."""
 
     def __post_init__(self) -> None:
         if self.method not in DRAFT_METHODS:
             raise ScenarioError("method", f"must be one of {', '.join(DRAFT_METHODS)}, "
                                           f"got {self.method!r}")
         _fraction("ngram_match_prob", self.ngram_match_prob)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        if self.prompt_lookup_min is not None and self.prompt_lookup_max is None:
+            raise ScenarioError("prompt_lookup_min", "needs prompt_lookup_max (it turns "
+                                                     "prompt lookup on)")
+        if self.prompt_lookup is not None and self.prompt_lookup[0] > self.prompt_lookup[1]:
+            raise ScenarioError("prompt_lookup_min", f"must be <= prompt_lookup_max="
+                                                     f"{self.prompt_lookup_max}, got "
+                                                     f"{self.prompt_lookup_min}")
+
+    @property
+    def prompt_lookup(self) -> tuple[int, int] | None:
+        """(min_n, max_n) when n-gram drafts are looked up for real, else None."""
+        if self.method != "ngram" or self.prompt_lookup_max is None:
+            return None
+        return (self.prompt_lookup_min or self.prompt_lookup_max, self.prompt_lookup_max)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ class TwinEngine(FastPathEngine):
         batch = self.batch
         # decode runs: whenever the step would only decode (paced runs step one by one);
         # planned runs when the policy does not look at steps
-        runs = not self.realtime and self._match_prob == 1.0 and interval != 1
+        runs = not self.realtime and self.uniform_drafts and interval != 1
         plans = runs and interval == 0
         started = False  # the step at clock_s had its start (arrivals) taken by a run
         while True:

@@ -95,6 +95,12 @@ class StepEngine:
         bases = np.cumsum([0] + [len(p.acc_len) for p in self.pools])
         self.pool_base = [int(b) for b in bases[:-1]]
         self.acc_len = np.concatenate([p.acc_len for p in self.pools])
+        self.match_len = (None if all(p.match_len is None for p in self.pools) else
+                          np.concatenate([p.match_len if p.match_len is not None else
+                                          np.full(len(p.acc_len), -1, dtype=np.int8)
+                                          for p in self.pools]))
+        """Per acc_len position, prompt lookup's match length where pools are drafted for
+        real (0: no draft); -1 in the other pools (misses drawn at `ngram_match_prob`)."""
         self.end_s = duration_s if duration_s is not None else scenario.duration_s
         self.traffic = Traffic(scenario.phases, self.pools, traffic_rng, end_s=self.end_s)
         self.batch = RunningBatch(limits.max_num_seqs)
@@ -109,6 +115,8 @@ class StepEngine:
         self._noise: list[float] = []
         self._noise_at = 0
         self._match_prob = scenario.drafter.ngram_match_prob if self.method == "ngram" else 1.0
+        self.uniform_drafts = self._match_prob == 1.0 and self.match_len is None
+        """Every decoding request drafts the step's K (no n-gram misses to model)."""
         self._ledger = RequestLedger(limits.max_k)
         """Per-request sums for telemetry's `finished_requests` (kept while recording)."""
         telemetry = recorder.config if recorder is not None else RecorderConfig()
@@ -131,7 +139,8 @@ class StepEngine:
     def _pool(self, index: int, rng: np.random.Generator) -> RequestPool:
         try:
             return pool_for_phase(self.scenario.phases[index], method=self.method,
-                                  max_k=self.scenario.engine.max_k, rng=rng)
+                                  max_k=self.scenario.engine.max_k, rng=rng,
+                                  prompt_lookup=self.scenario.drafter.prompt_lookup)
         except ScenarioError as exc:
             raise exc.under(f"phases[{index}]") from None
 
@@ -145,7 +154,7 @@ class StepEngine:
         b = self.batch
         d = b.n - self._prefilling
         # Every decode row got the previous step's k_next, unless n-gram misses zeroed some.
-        uniform = self._match_prob == 1.0
+        uniform = self.uniform_drafts
         k = self._last_k_next if uniform and d else 0
         pending = None if uniform else b.k_pending[:d]
         draft_tokens = k * d if uniform else int(_add(pending))
@@ -285,13 +294,18 @@ class StepEngine:
         return np.array(chunks, dtype=np.int64)
 
     def _drop_unmatched_ngram(self, decoding: int, finished: np.ndarray) -> bool:
-        """n-gram finds no match at some positions where nothing would be accepted: those
-        requests propose no drafts for their next step (SpecDecode-Bench's match model).
-        Returns whether any request still drafts."""
+        """Requests whose n-gram lookup finds no match propose no drafts for their next
+        step: where the pool was drafted for real, exactly where lookup missed; elsewhere
+        at chance 1 - `ngram_match_prob` where nothing would be accepted (SpecDecode-Bench's
+        match model). Returns whether any request still drafts."""
         b = self.batch
         rows = np.flatnonzero(~finished[:decoding])
-        nothing = self.acc_len[b.acc_offset[rows] + b.generated[rows] - 1] == 1
-        rows = rows[nothing]
+        positions = b.acc_offset[rows] + b.generated[rows] - 1
+        if self.match_len is not None:
+            matched = self.match_len[positions]
+            b.k_pending[rows[matched == 0]] = 0
+            rows, positions = rows[matched < 0], positions[matched < 0]
+        rows = rows[self.acc_len[positions] == 1]
         unmatched = self._match_rng.random(len(rows)) >= self._match_prob
         b.k_pending[rows[unmatched]] = 0
         return bool(np.any(b.k_pending[:decoding][~finished[:decoding]]))

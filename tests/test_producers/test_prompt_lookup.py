@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from producers.prompt_lookup import prompt_lookup
+from producers.prompt_lookup import PromptLookupIndex, prompt_lookup
 
 VLLM_SEARCH = """
 import json, sys
@@ -57,3 +57,23 @@ def test_the_match_length_is_the_longest_ngram_and_its_earliest_occurrence() -> 
     assert prompt_lookup(np.array([1, 2, 3]), min_n=1, max_n=3, k=2).match_length == 0
     with pytest.raises(ValueError, match="min_n"):
         prompt_lookup(tokens, min_n=3, max_n=2, k=1)
+
+
+def test_the_incremental_index_looks_up_what_a_full_scan_does() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        vocab = int(rng.choice([2, 3, 5, 20]))
+        tokens = rng.integers(0, vocab, size=int(rng.integers(0, 60)))
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        index = PromptLookupIndex(min_n=min_n, max_n=max_n)
+        for end in range(len(tokens) + 1):
+            k = int(rng.integers(0, 8))
+            limit = None if rng.random() < 0.5 else end + int(rng.integers(-2, 5))
+            scan = prompt_lookup(tokens[:end], min_n=min_n, max_n=max_n, k=k,
+                                 max_model_len=limit)
+            probe = index.lookup(k, max_model_len=limit)
+            assert (probe.match_length, probe.draft.tolist()) == (
+                scan.match_length, scan.draft.tolist()), (tokens[:end].tolist(), min_n, max_n, k)
+            if end < len(tokens):
+                index.extend(tokens[end:end + 1].tolist())

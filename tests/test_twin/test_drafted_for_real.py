@@ -1,0 +1,96 @@
+"""n-gram drafts looked up for real: the twin's pool and engine follow prompt lookup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from producers.prompt_lookup import prompt_lookup
+from schemas import DraftTable
+from twin import DrafterConfig, PhaseConfig, Policy, Scenario, build_engine
+from twin.config import ScenarioError
+from twin.workload import LOOKUP_DRAFT_TOKENS, load_trace
+
+
+def write_trace(path: Path, rows: list[tuple[list[int], list[int]]]) -> Path:
+    with open(path, "w") as out:
+        for index, (prompt, generated) in enumerate(rows):
+            out.write(json.dumps({"id": str(index), "prompt_token_ids": prompt,
+                                  "generated_token_ids": generated,
+                                  "acc_eagle": {"acc_len": [1] * len(generated)},
+                                  "acc_ngram": {"acc_len": [1] * len(generated)}}) + "\n")
+    return path
+
+
+def test_a_pool_drafted_for_real_is_prompt_lookup_at_every_position(tmp_path):
+    rng = np.random.default_rng(3)
+    rows = [(rng.integers(0, 4, 30).tolist(), rng.integers(0, 4, 60).tolist())
+            for _ in range(5)]
+    pool = load_trace(write_trace(tmp_path / "t.jsonl", rows), "ngram", prompt_lookup=(2, 4))
+    assert pool.match_len is not None
+    for request, (prompt, generated) in enumerate(rows):
+        start = int(pool.acc_offset[request])
+        for t in range(len(generated)):
+            lookup = prompt_lookup(np.array(prompt + generated[:t]), min_n=2, max_n=4,
+                                   k=LOOKUP_DRAFT_TOKENS)
+            agreed = 0
+            for drafted, actual in zip(lookup.draft.tolist(), generated[t:], strict=False):
+                if drafted != actual:
+                    break
+                agreed += 1
+            assert pool.match_len[start + t] == lookup.match_length
+            assert pool.acc_len[start + t] == 1 + agreed
+    recorded = load_trace(tmp_path / "t.jsonl", "ngram")
+    assert recorded.match_len is None and set(recorded.acc_len.tolist()) == {1}
+
+
+class Recording(Policy):
+    step_interval = 1
+
+    def __init__(self, k: int) -> None:
+        self.name, self.k, self.steps = f"recording:{k}", k, []
+
+    def initial_table(self, *, max_k, max_batch):
+        return DraftTable.from_vllm([[1, max_batch, self.k]]), 0
+
+    def on_step(self, engine, step):
+        self.steps.append(step)
+
+
+def run_steps(trace: Path, drafter: DrafterConfig, k: int = 4) -> list:
+    policy = Recording(k)
+    scenario = Scenario(seed=2, drafter=drafter,
+                        phases=(PhaseConfig(duration_s=20.0, concurrency=4, trace=str(trace)),))
+    engine, _, _ = build_engine(scenario, policy)
+    engine.run(policy)
+    return [step for step in policy.steps if step.k]
+
+
+def test_a_request_drafts_only_where_lookup_matched(tmp_path, generated_traces):
+    random_tokens = generated_traces / "gsm8k.jsonl"  # ids drawn from 128k: no n-gram repeats
+    recorded = run_steps(random_tokens, DrafterConfig(method="ngram"))
+    assert all(step.num_drafts == step.num_decode_reqs for step in recorded)
+    looked_up = run_steps(random_tokens, DrafterConfig(method="ngram", prompt_lookup_max=3))
+    assert sum(step.num_drafts for step in looked_up) == 0
+    cycle = [5, 6, 7, 8, 9]
+    periodic = write_trace(tmp_path / "cycle.jsonl",
+                           [(cycle * 3, (cycle * 40)[:150 + 7 * i]) for i in range(8)])
+    copied = run_steps(periodic, DrafterConfig(method="ngram", prompt_lookup_max=3))
+    assert all(step.num_drafts == step.num_decode_reqs for step in copied)
+    drafted = sum(step.num_draft_tokens for step in copied)
+    accepted = sum(step.num_accepted_tokens for step in copied)
+    assert accepted > 0.9 * drafted  # a cycle's continuation is always the draft
+
+
+@pytest.mark.parametrize("fields, field", [({"prompt_lookup_min": 3}, "prompt_lookup_min"),
+                                           ({"prompt_lookup_min": 4, "prompt_lookup_max": 3},
+                                            "prompt_lookup_min"),
+                                           ({"prompt_lookup_max": 0}, "prompt_lookup_max")])
+def test_prompt_lookup_settings_are_checked(fields, field):
+    with pytest.raises(ScenarioError, match=field):
+        DrafterConfig(method="ngram", **fields)
+    assert DrafterConfig(method="ngram", prompt_lookup_max=4).prompt_lookup == (4, 4)
+    assert DrafterConfig(method="eagle", prompt_lookup_max=4).prompt_lookup is None

@@ -17,6 +17,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from schemas.draft_budget import DraftBudget
 from schemas.draft_table import DraftTable, TableError
 from schemas.signing import ALGORITHM, REFUSED_ALGORITHMS, Keyring, sign_hex, signature_matches
 
@@ -153,6 +154,9 @@ class TableEnvelope:
     epoch: int = 0
     """The sender's ownership epoch of the key (a control replica's group generation + 1);
     0: not sent by a control replica (an operator's, or an earlier release's): unfenced."""
+    budget: DraftBudget | None = None
+    """K per request by its n-gram match length, under `table` (`schemas.draft_budget`);
+    None: every request drafts the table's K."""
     signature: Signature | None = None
 
     def __post_init__(self) -> None:
@@ -178,10 +182,20 @@ class TableEnvelope:
         _check_exploration(mapping(self.exploration, "exploration"), self.max_batch, k_values)
         if self.signature is not None and not isinstance(self.signature, Signature):
             raise EnvelopeError("signature must be a Signature")
+        if self.budget is not None and not isinstance(self.budget, DraftBudget):
+            raise EnvelopeError("budget must be a DraftBudget")
 
     def validate(self) -> TableEnvelope:
-        """The table is well formed for this envelope's limits and uses only startup K values."""
+        """The table (and budget) are well formed for this envelope's limits and use only
+        startup K values."""
         self.table.validate(max(self.startup_k_values, default=0), self.max_batch)
+        if self.budget is not None:
+            self.budget.validate(max(self.startup_k_values, default=0), self.max_batch)
+            unknown = sorted({k for _, _, ks in self.budget.ranges for k in ks}
+                             - set(self.startup_k_values))
+            if unknown:
+                raise TableError(f"budget K values {unknown} are not in the engine's startup "
+                                 f"set {sorted(self.startup_k_values)}")
         unknown = sorted(self.table.k_values - set(self.startup_k_values))
         if unknown:
             raise TableError(
@@ -212,6 +226,8 @@ class TableEnvelope:
         }
         if self.epoch:  # absent at 0: an earlier release's signed bytes stay the same
             out["epoch"] = self.epoch
+        if self.budget is not None:  # absent likewise
+            out["budget"] = self.budget.to_json()
         if self.signature is not None:
             out["signature"] = self.signature.to_dict()
         return out
@@ -239,6 +255,7 @@ class TableEnvelope:
                 surface=dict(mapping(data.get("surface", {}), "surface")),
                 exploration=dict(mapping(data.get("exploration", {}), "exploration")),
                 epoch=integer(data.get("epoch", 0), "epoch"),
+                budget=None if data.get("budget") is None else _budget(data["budget"]),
                 signature=None if signature is None else Signature.from_dict(signature),
             )
         except KeyError as exc:
@@ -257,6 +274,13 @@ class TableEnvelope:
     def verify(self, keyring: Keyring) -> None:
         """Raise `SignatureError` unless signed by a key in `keyring` (key id -> public key)."""
         verify_signature(self.signature, canonical_json(self.unsigned_payload()), keyring)
+
+
+def _budget(data: Any) -> DraftBudget:
+    try:
+        return DraftBudget.from_json(data)
+    except TableError as exc:
+        raise EnvelopeError(f"budget: {exc}") from None
 
 
 def verify_signature(signature: Signature | None, payload: bytes, keyring: Keyring) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from schemas import DraftTable, TableError
+from schemas.draft_budget import DraftBudget
 from schemas.table_files import load_table_file
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ class Policy:
     def initial_table(self, *, max_k: int, max_batch: int) -> tuple[DraftTable, int]:
         """The startup table (fitted to the engine's limits) and its version."""
         raise NotImplementedError
+
+    def initial_budget(self) -> DraftBudget | None:
+        """Per-request K by n-gram match length under the startup table (None: none)."""
+        return None
 
     def start(self, engine: TwinEngine) -> None:
         """Called once before the first step (e.g. to keep a reference to `engine.switch`)."""
@@ -65,11 +70,15 @@ class StaticTable(Policy):
     """A given table; vLLM's tail rule extends its last range up to max_num_seqs."""
 
     def __init__(self, table: DraftTable, *, name: str, version: int = 0,
-                 clamp_k: bool = False) -> None:
+                 clamp_k: bool = False, budget: DraftBudget | None = None) -> None:
         self.table = table
         self.name = name
         self.version = version
         self.clamp_k = clamp_k
+        self.budget = budget
+
+    def initial_budget(self) -> DraftBudget | None:
+        return self.budget
 
     def initial_table(self, *, max_k: int, max_batch: int) -> tuple[DraftTable, int]:
         limit = max(self.table.k_values) if self.clamp_k else max_k
@@ -86,4 +95,5 @@ def table_policy(path: str) -> Policy:
     except TableError as exc:
         raise PolicyError(f"table:{path}: {exc}") from None
     version = envelope.version if envelope is not None else 0
-    return StaticTable(table, name=f"table:{Path(path).name}", version=version)
+    budget = envelope.budget if envelope is not None else None
+    return StaticTable(table, name=f"table:{Path(path).name}", version=version, budget=budget)

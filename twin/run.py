@@ -13,9 +13,10 @@ from controller.engine.table_switch import TableSwitch
 from producers.identity import EngineIdentity
 from producers.recorder import RecorderConfig, Sink, StepRecorder
 from producers.sinks import sink_from_url
+from schemas import TableError
 from twin.config import Scenario
 from twin.engine import TwinEngine
-from twin.policies import Policy
+from twin.policies import Policy, PolicyError
 from twin.registry import make_policy
 from twin.scenario_file import load_scenario
 from twin.summary import RunSummary, summarize
@@ -65,8 +66,14 @@ def build_engine(scenario: Scenario | str | Path, policy: Policy | str, *,
     chosen = make_policy(policy) if isinstance(policy, str) else policy
     limits = scenario.engine
     table, version = chosen.initial_table(max_k=limits.max_k, max_batch=limits.max_num_seqs)
-    switch = TableSwitch(table, max_k=limits.max_k, max_batch=limits.max_num_seqs,
-                         version=version)
+    lookup = scenario.drafter.prompt_lookup
+    budget = chosen.initial_budget()
+    try:
+        switch = TableSwitch(table, max_k=limits.max_k, max_batch=limits.max_num_seqs,
+                             version=version, max_match=lookup[1] if lookup else 0,
+                             budget=budget)
+    except TableError as exc:
+        raise PolicyError(f"{chosen.describe()}: {exc}") from None
     recorder = None
     if sink is not None:
         identity = EngineIdentity(engine_id=limits.engine_id, model=limits.model,

@@ -208,7 +208,8 @@ class StepEngine:
         n_finished = int(np.count_nonzero(finished))
         drafting = k_next > 0 and d + completed > n_finished
         if drafting and not uniform:
-            drafting = self._drop_unmatched_ngram(d + completed, finished)
+            drafting = self._per_request_drafts(d + completed, finished,
+                                                self.switch.budget_for(batch_size))
         accepted = int(_add(emit_full)) - d
         per_pos = self._accepted_per_pos(emit_full, k)
         latency = self._latency(kv, d + draft_tokens + prefill_tokens, k_next if drafting else 0)
@@ -293,18 +294,26 @@ class StepEngine:
             budget -= chunk
         return np.array(chunks, dtype=np.int64)
 
-    def _drop_unmatched_ngram(self, decoding: int, finished: np.ndarray) -> bool:
-        """Requests whose n-gram lookup finds no match propose no drafts for their next
-        step: where the pool was drafted for real, exactly where lookup missed; elsewhere
-        at chance 1 - `ngram_match_prob` where nothing would be accepted (SpecDecode-Bench's
-        match model). Returns whether any request still drafts."""
+    def _per_request_drafts(self, decoding: int, finished: np.ndarray,
+                            budget: tuple[int, ...] | None) -> bool:
+        """Drafts per request for its next step, where they differ from the step's K.
+
+        Requests whose n-gram lookup finds no match propose nothing: where the pool was
+        drafted for real, exactly where lookup missed, and a budget then sets the others' K
+        by their match length; elsewhere at chance 1 - `ngram_match_prob` where nothing
+        would be accepted (SpecDecode-Bench's match model). Returns whether any request
+        still drafts."""
         b = self.batch
         rows = np.flatnonzero(~finished[:decoding])
         positions = b.acc_offset[rows] + b.generated[rows] - 1
         if self.match_len is not None:
             matched = self.match_len[positions]
-            b.k_pending[rows[matched == 0]] = 0
-            rows, positions = rows[matched < 0], positions[matched < 0]
+            looked_up = matched >= 0
+            if budget is None:
+                b.k_pending[rows[matched == 0]] = 0
+            else:
+                b.k_pending[rows[looked_up]] = np.asarray(budget)[matched[looked_up]]
+            rows, positions = rows[~looked_up], positions[~looked_up]
         rows = rows[self.acc_len[positions] == 1]
         unmatched = self._match_rng.random(len(rows)) >= self._match_prob
         b.k_pending[rows[unmatched]] = 0

@@ -105,16 +105,19 @@ class EngineFeed:
         self._last_desired = version  # only once staged or refused: a surprise stages again
 
     def _stage(self, desired: TableEnvelope | None, version: int) -> None:
-        """Stage the desired table with its explorer (the startup table for version 0)."""
+        """Stage the desired table with its explorer and budget (the startup table for
+        version 0). An engine whose drafter reports no match length runs the table alone:
+        the table is the budget's cap and stands on its own."""
         switch = self.switch
         table = switch.startup_table if desired is None else desired.table
-        explorer = None
+        explorer = budget = None
         if desired is not None:
+            budget = desired.budget if switch.max_match else None
             explorer = explorer_for(desired.exploration, table, max_batch=self.limits.max_batch,
                                     k_values=self.limits.startup_k_values,
                                     config=self.exploration)
         try:
-            switch.stage(table, version, explorer=explorer)
+            switch.stage(table, version, explorer=explorer, budget=budget)
         except TableError as exc:  # checked already; the switch has the final word
             self.status.emit("rejected", version=version, reason="invalid_table",
                              detail=str(exc))

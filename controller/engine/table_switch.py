@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from schemas import DraftTable, TableError
+from schemas.draft_budget import DraftBudget
 
 
 class StepExplorer(Protocol):
@@ -31,17 +32,26 @@ class StagedTable:
     table: DraftTable
     explorer: StepExplorer | None = None
     """Exploration plan that travels with this table (None: no exploration)."""
+    budget: DraftBudget | None = None
+    budget_lookup: tuple[tuple[int, ...], ...] | None = None
+    """Dense K by (batch size, match length), capped by the table (None: no budget)."""
 
 
 class TableSwitch:
     """Holds the active lookup; the only place an engine's K per batch size comes from."""
 
     def __init__(self, table: DraftTable, *, max_k: int, max_batch: int, version: int = 0,
-                 history: int = 64) -> None:
+                 history: int = 64, max_match: int = 0,
+                 budget: DraftBudget | None = None) -> None:
         self.max_k = max_k
         self.max_batch = max_batch
-        active = self._expand(table, version, forced=False)
+        self.max_match = max_match
+        """Longest match an n-gram proposer reports (its prompt_lookup_max); 0: it reports
+        none, and budgets are refused."""
+        active = self._expand(table, version, forced=False, budget=budget)
         self.lookup: tuple[int, ...] = active.lookup
+        self.budget = budget
+        self.budget_lookup = active.budget_lookup
         self.version = version
         self.forced = False
         self.table = table
@@ -56,13 +66,15 @@ class TableSwitch:
         """Tables applied so far, newest last (read by the controller for status events)."""
 
     def stage(self, table: DraftTable, version: int, *, forced: bool = False,
-              explorer: StepExplorer | None = None) -> StagedTable:
+              explorer: StepExplorer | None = None,
+              budget: DraftBudget | None = None) -> StagedTable:
         """Validate and expand off the engine thread; applied at the next step boundary.
 
-        Raises TableError and leaves the active table untouched when the table does not
-        fit this engine (K above the startup maximum, not covering 1..max_batch).
+        Raises TableError and leaves the active table untouched when the table or budget
+        does not fit this engine (K above the startup maximum, not covering 1..max_batch, a
+        budget where the drafter reports no match length).
         """
-        staged = self._expand(table, version, forced=forced, explorer=explorer)
+        staged = self._expand(table, version, forced=forced, explorer=explorer, budget=budget)
         self._staged = staged
         return staged
 
@@ -78,6 +90,8 @@ class TableSwitch:
         self.step_forced = staged.forced  # what a lookup without an explorer reports
         self.table = staged.table
         self.explorer = staged.explorer
+        self.budget = staged.budget
+        self.budget_lookup = staged.budget_lookup
         self.applied.append(staged)
         return staged
 
@@ -101,14 +115,31 @@ class TableSwitch:
         self.step_forced = self.forced
         return k
 
+    def budget_for(self, batch_size: int) -> tuple[int, ...] | None:
+        """Engine thread: K by match length for this step's drafts, or None (the table's K
+        for every request). None on a step whose K was forced: a probe is of one K."""
+        lookup = self.budget_lookup
+        if lookup is None or self.step_forced:
+            return None
+        return lookup[min(batch_size, self.max_batch)]
+
     @property
     def pending(self) -> bool:
         return self._staged is not None
 
     def _expand(self, table: DraftTable, version: int, *, forced: bool,
-                explorer: StepExplorer | None = None) -> StagedTable:
+                explorer: StepExplorer | None = None,
+                budget: DraftBudget | None = None) -> StagedTable:
         table.validate(self.max_k, self.max_batch)
         if version < 0:
             raise TableError(f"table version {version} is negative")
+        budget_lookup = None
+        if budget is not None:
+            if not self.max_match:
+                raise TableError("a draft budget needs a drafter that reports match "
+                                 "lengths (n-gram prompt lookup)")
+            budget.validate(self.max_k, self.max_batch)
+            budget_lookup = budget.capped(table, self.max_batch, self.max_match)
         return StagedTable(lookup=tuple(table.to_dense(self.max_batch)), version=version,
-                           forced=forced, table=table, explorer=explorer)
+                           forced=forced, table=table, explorer=explorer, budget=budget,
+                           budget_lookup=budget_lookup)

@@ -10,6 +10,7 @@ import pytest
 
 from producers.prompt_lookup import prompt_lookup
 from schemas import DraftTable
+from schemas.draft_budget import DraftBudget
 from twin import DrafterConfig, PhaseConfig, Policy, Scenario, build_engine
 from twin.config import ScenarioError
 from twin.workload import LOOKUP_DRAFT_TOKENS, load_trace
@@ -94,3 +95,30 @@ def test_prompt_lookup_settings_are_checked(fields, field):
         DrafterConfig(method="ngram", **fields)
     assert DrafterConfig(method="ngram", prompt_lookup_max=4).prompt_lookup == (4, 4)
     assert DrafterConfig(method="eagle", prompt_lookup_max=4).prompt_lookup is None
+
+
+def test_a_budget_sets_each_requests_drafts_by_its_match_length(tmp_path):
+    rng = np.random.default_rng(5)
+    rows = [(rng.integers(0, 6, 40).tolist(), rng.integers(0, 6, 120).tolist())
+            for _ in range(12)]
+    trace = write_trace(tmp_path / "small-vocab.jsonl", rows)
+    drafter = DrafterConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
+
+    def steps(budget: dict | None) -> list:
+        policy = Recording(4)
+        if budget is not None:
+            policy.initial_budget = lambda: DraftBudget.from_json(budget)
+        scenario = Scenario(seed=2, drafter=drafter, phases=(
+            PhaseConfig(duration_s=20.0, concurrency=4, trace=str(trace)),))
+        engine, _, _ = build_engine(scenario, policy)
+        engine.run(policy)
+        return [step for step in policy.steps if step.num_decode_reqs]
+
+    table_alone = steps(None)
+    assert {step.k for step in table_alone} == {4}
+    only_long = steps({"min_match": 1, "ranges": [[1, 256, [0, 0, 2]]]})
+    assert {step.k for step in only_long} <= {0, 2}  # the step's most drafts is 2
+    assert sum(s.num_drafts for s in only_long) < sum(s.num_drafts for s in table_alone)
+    assert all(s.num_draft_tokens == 2 * s.num_drafts for s in only_long)
+    above_table = steps({"min_match": 1, "ranges": [[1, 256, [7, 7, 7]]]})
+    assert {step.k for step in above_table} == {4}  # the table caps the budget

@@ -4,8 +4,13 @@ For a trace, a prompt-lookup setting and each closed-loop load: every fixed K 0.
 every two-level budget "K_hi where the n-gram match is at least n tokens, else K_lo"
 (`schemas.draft_budget`, under a table of K_hi). The best budget is picked on one seed and
 scored on another against that seed's best fixed K, so the figure is not the pick's luck.
-The budgets are static oracles: this is the headroom a learner can reach, not what TableTune
-learns. Needs `../shared`'s traces (the twin looks prompt lookup up on their tokens).
+The budgets are static oracles: this is the headroom a learner can reach.
+
+Beside them, `fitter.budget.derive_budget`'s budget from the true statistics: acceptance by
+match length and position, and each length's share, counted over the trace's positions, and
+the twin's own latency model. It checks the derivation, not the learning: telemetry would
+give the same statistics with noise, from the positions steps actually land on. Needs
+`../shared`'s traces (the twin looks prompt lookup up on their tokens).
 
     .venv/bin/python -m bench.budget_headroom --trace instructcoder --lookup 1 4 \\
         --loads 1 32 128 [--max-k 7] [--duration 90] [--out DIR]
@@ -19,12 +24,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+import numpy as np
+
 from bench.common import emit
+from fitter.budget import derive_budget
 from schemas import DraftTable
 from schemas.draft_budget import DraftBudget
 from twin import DrafterConfig, PhaseConfig, Scenario, run_scenario
-from twin.config import EngineConfig
+from twin.config import CostConfig, EngineConfig
+from twin.cost import step_cost
 from twin.policies import StaticTable
+from twin.workload import load_trace
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
 PICK_SEED, SCORE_SEED = 1, 2
@@ -53,16 +63,46 @@ def headroom(trace: Path, load: int, lookup: tuple[int, int], max_k: int,
 
     fixed = {k: run(k, None, PICK_SEED) for k in range(max_k + 1)}
     candidates = {(high, low, n): run(high, two_level(lookup, high, low, n), PICK_SEED)
-                  for high in range(1, max_k + 1) for low in range(high)
-                  for n in range(lookup[0] + 1, lookup[1] + 1)}
+                  for high in range(1, max_k + 1) for low in range(high + 1)
+                  for n in range(lookup[0] + 1, lookup[1] + 1)
+                  if low < high or n == lookup[0] + 1}  # low == high: fixed K, once
     best = max(candidates, key=candidates.__getitem__)
     scored_fixed = {k: run(k, None, SCORE_SEED) for k in range(max_k + 1)}
     scored = run(best[0], two_level(lookup, *best), SCORE_SEED)
     best_k = max(scored_fixed, key=scored_fixed.__getitem__)
+    derived = derived_budget(trace, load, lookup, max_k)
+    derived_tok_s = run(max_k, derived, SCORE_SEED)
     return {"load": load, "budget": {"k_high": best[0], "k_low": best[1], "at_least": best[2]},
             "pick_ratio": candidates[best] / max(fixed.values()),
             "score_ratio": scored / scored_fixed[best_k], "score_best_fixed_k": best_k,
-            "score_tok_s": scored, "score_best_fixed_tok_s": scored_fixed[best_k]}
+            "score_tok_s": scored, "score_best_fixed_tok_s": scored_fixed[best_k],
+            "derived": derived.k_by_match(load, lookup[1])[lookup[0]:],
+            "derived_ratio": derived_tok_s / scored_fixed[best_k]}
+
+
+def derived_budget(trace: Path, load: int, lookup: tuple[int, int], max_k: int
+                   ) -> DraftBudget:
+    """`derive_budget` on the pool's true statistics and the twin's latency, at `load`."""
+    pool = load_trace(trace, "ngram", prompt_lookup=lookup)
+    assert pool.match_len is not None
+    acc = np.minimum(pool.acc_len, max_k + 1)
+    share = np.bincount(pool.match_len, minlength=lookup[1] + 1) / len(acc)
+    conditional = []
+    for length in range(lookup[1] + 1):
+        at = acc[pool.match_len == length]
+        reached = np.array([np.count_nonzero(at >= i) for i in range(1, max_k + 1)])
+        accepted = np.array([np.count_nonzero(at >= i + 1) for i in range(1, max_k + 1)])
+        conditional.append(np.divide(accepted, reached, out=np.zeros(max_k),
+                                     where=reached > 0))
+    context = float(np.mean(pool.prompt_len + pool.output_len / 2))
+    step_s = step_cost(CostConfig(noise=0.0), "ngram", max_k).step_fn()
+
+    def latency(batch_size: int, drafts: np.ndarray) -> np.ndarray:
+        return np.array([step_s(int(batch_size * context), int(round(batch_size * (1 + d))),
+                                max_k) for d in drafts])
+
+    cap = [max_k] * (load + 1)
+    return derive_budget(cap, conditional, share, latency, min_match=lookup[0])
 
 
 def main() -> None:

@@ -1,0 +1,99 @@
+"""The budget that maximises predicted goodput: K per request by its n-gram match length.
+
+Per batch size B, requests split by the length m of the n-gram their prompt lookup matched
+(m = 0: no match, no draft), in shares p_m. A request of length m drafting K_m emits
+AL_m(K_m) tokens on average, and the step verifies B * (1 + sum_m p_m K_m) tokens, so
+
+    goodput(B, K_1..K_M) = B * sum_m p_m AL_m(K_m) / T(B, sum_m p_m K_m)
+
+where T is the step latency at B decode requests drafting that many tokens each on average.
+A long match is worth drafting deep where a short one is not: at large B every verified
+token costs, and the short matches' drafts are mostly rejected. The K of one length is
+chosen with the others held, length by length, until none moves (coordinate ascent: the
+goodput is a ratio of two sums, and a few rounds settle it). The table's K for B caps every
+length: the table stays the budget's bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from schemas.draft_budget import DraftBudget
+
+LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
+"""T(B, mean drafts per decode request) in seconds, vectorised over the mean drafts."""
+
+MAX_ROUNDS = 8
+"""Coordinate-ascent rounds per batch size; two or three settle it in practice, the bound
+only keeps a tie from cycling."""
+
+
+def acceptance_lengths(conditional: ArrayLike, max_k: int) -> NDArray[np.float64]:
+    """AL(K) for K = 0..max_k from conditional acceptance per draft position (the last
+    rate holds for positions past the array)."""
+    rates = np.asarray(conditional, dtype=np.float64)
+    if rates.size == 0:
+        rates = np.zeros(1)
+    padded = np.concatenate([rates, np.full(max(0, max_k - rates.size), rates[-1])])[:max_k]
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(padded))])
+
+
+def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
+            share: NDArray[np.float64], latency: LatencyFn) -> tuple[int, ...]:
+    """K per match length 0..M at one batch size. `lengths[m, K]` is AL_m(K) for
+    K = 0..cap (row 0, no match, is ignored: it never drafts); `share[m]` the share of
+    decode requests whose lookup matched m tokens."""
+    n_lengths = share.size
+    ks = np.full(n_lengths, cap, dtype=np.int64)
+    ks[0] = 0
+    rows = np.arange(n_lengths)
+    candidates = np.arange(cap + 1)
+    for _ in range(MAX_ROUNDS):
+        moved = False
+        for length in range(1, n_lengths):
+            if share[length] <= 0.0:
+                continue
+            others = ks.copy()
+            others[length] = 0
+            base_tokens = float(share @ lengths[rows, others])
+            base_drafts = float(share @ others)
+            tokens = (base_tokens - share[length] * lengths[length, 0]
+                      + share[length] * lengths[length, candidates])
+            drafts = base_drafts + share[length] * candidates
+            goodput = tokens / latency(batch_size, drafts)
+            best = int(candidates[np.argmax(goodput)])  # the smallest K among ties
+            if best != ks[length]:
+                ks[length], moved = best, True
+        if not moved:
+            break
+    return tuple(int(k) for k in ks)
+
+
+def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[ArrayLike],
+                  share: ArrayLike, latency: LatencyFn, *, min_match: int = 1) -> DraftBudget:
+    """The goodput-maximising budget for batch sizes 1..len(cap_by_batch) - 1.
+
+    `cap_by_batch[B]`: the table's K at B (index 0 unused). `conditional_by_length[m]`:
+    conditional acceptance per position of requests whose lookup matched m tokens, for
+    m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. Batch sizes with
+    the same K by length merge into one range."""
+    shares = np.asarray(share, dtype=np.float64)
+    if shares.ndim != 1 or shares.size != len(conditional_by_length) or shares.size < 2:
+        raise ValueError("share and conditional_by_length need one entry per match length "
+                         f"0..M, got {shares.size} and {len(conditional_by_length)}")
+    if not 1 <= min_match < shares.size:
+        raise ValueError(f"min_match {min_match} must be in 1..{shares.size - 1}")
+    max_cap = max(int(k) for k in cap_by_batch[1:])
+    lengths = np.stack([acceptance_lengths(c, max_cap) for c in conditional_by_length])
+    ranges: list[tuple[int, int, tuple[int, ...]]] = []
+    for batch_size in range(1, len(cap_by_batch)):
+        cap = int(cap_by_batch[batch_size])
+        ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency)[min_match:]
+        if ranges and ranges[-1][2] == ks:
+            ranges[-1] = (ranges[-1][0], batch_size, ks)
+        else:
+            ranges.append((batch_size, batch_size, ks))
+    return DraftBudget(min_match=min_match, ranges=tuple(ranges))

@@ -1,0 +1,60 @@
+"""The budget derivation: long matches draft deep, short ones stop drafting under load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fitter.budget import acceptance_lengths, best_ks, derive_budget
+
+STEP_FIXED_S = 0.01
+PER_TOKEN_S = 2e-4
+
+
+def linear_latency(batch_size: int, drafts: np.ndarray) -> np.ndarray:
+    """A step costs a fixed part and a part per verified token."""
+    return STEP_FIXED_S + PER_TOKEN_S * batch_size * (1.0 + np.asarray(drafts))
+
+
+def test_acceptance_length_chains_the_conditional_rates():
+    assert acceptance_lengths([0.5, 0.5], 3).tolist() == [1.0, 1.5, 1.75, 1.875]
+    assert acceptance_lengths([], 2).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_lone_request_drafts_deep_and_a_full_batch_drops_the_weak_matches():
+    conditional = [[0.0], [0.2], [0.95]]  # length 0: no match; 1: weak; 2: strong
+    share = [0.2, 0.4, 0.4]
+    budget = derive_budget([0] + [7] * 256, conditional, share, linear_latency)
+    alone = budget.k_by_match(1, max_match=2)
+    assert alone[0] == 0 and alone[1] >= 1 and alone[2] == 7
+    busy = budget.k_by_match(256, max_match=2)
+    assert busy[1] == 0 and 1 <= busy[2] < 7
+    assert len(budget.ranges) < 16  # equal neighbours merge
+
+
+def test_the_budget_beats_every_uniform_k_by_its_own_model():
+    conditional = [[0.0], [0.3], [0.6], [0.9]]
+    share = np.array([0.1, 0.3, 0.3, 0.3])
+    lengths = np.stack([acceptance_lengths(c, 7) for c in conditional])
+
+    def goodput(batch_size: int, ks: tuple[int, ...]) -> float:
+        rows = np.arange(len(ks))
+        tokens = share @ lengths[rows, list(ks)]
+        return float(batch_size * tokens
+                     / linear_latency(batch_size, np.array([share @ np.array(ks)]))[0])
+
+    for batch_size in (1, 16, 64, 256):
+        ks = best_ks(batch_size, 7, lengths, share, linear_latency)
+        uniform = max(goodput(batch_size, (0,) + (k,) * 3) for k in range(8))
+        assert goodput(batch_size, ks) >= uniform * (1 - 1e-12)
+        assert list(ks[1:]) == sorted(ks[1:])  # a longer match never drafts less here
+
+
+def test_the_table_caps_the_budget_and_bad_shapes_are_refused():
+    conditional, share = [[0.0], [0.99]], [0.0, 1.0]
+    budget = derive_budget([0, 2, 2, 5], conditional, share, linear_latency)
+    assert budget.k_by_match(1, 1) == (0, 2) and budget.k_by_match(3, 1) == (0, 5)
+    with pytest.raises(ValueError, match="one entry per match length"):
+        derive_budget([0, 2], conditional, [1.0], linear_latency)
+    with pytest.raises(ValueError, match="min_match"):
+        derive_budget([0, 2], conditional, share, linear_latency, min_match=2)

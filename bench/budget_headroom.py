@@ -38,6 +38,7 @@ from twin.workload import load_trace
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
 PICK_SEED, SCORE_SEED = 1, 2
+MAX_BATCH = EngineConfig().max_num_seqs
 
 
 def throughput(trace: Path, load: int, lookup: tuple[int, int], max_k: int, k: int,
@@ -47,13 +48,14 @@ def throughput(trace: Path, load: int, lookup: tuple[int, int], max_k: int, k: i
                                               prompt_lookup_max=lookup[1]),
                         phases=(PhaseConfig(duration_s=duration_s, concurrency=load,
                                             trace=str(trace)),))
-    policy = StaticTable(DraftTable.from_vllm([[1, 256, k]]), name=f"k{k}", budget=budget)
+    policy = StaticTable(DraftTable.from_vllm([[1, MAX_BATCH, k]]), name=f"k{k}",
+                         budget=budget)
     return run_scenario(scenario, policy).output_tokens_per_s
 
 
 def two_level(lookup: tuple[int, int], high: int, low: int, at_least: int) -> DraftBudget:
     ks = [high if length >= at_least else low for length in range(lookup[0], lookup[1] + 1)]
-    return DraftBudget(min_match=lookup[0], ranges=((1, 256, tuple(ks)),))
+    return DraftBudget(min_match=lookup[0], ranges=((1, MAX_BATCH, tuple(ks)),))
 
 
 def headroom(trace: Path, load: int, lookup: tuple[int, int], max_k: int,
@@ -101,7 +103,7 @@ def derived_budget(trace: Path, load: int, lookup: tuple[int, int], max_k: int
         return np.array([step_s(int(batch_size * context), int(round(batch_size * (1 + d))),
                                 max_k) for d in drafts])
 
-    cap = [max_k] * (load + 1)
+    cap = [max_k] * (MAX_BATCH + 1)
     return derive_budget(cap, conditional, share, latency, min_match=lookup[0])
 
 

@@ -51,8 +51,8 @@ _FILE_NAME = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d+)-(?P<
 RECORD_IDENTITY = ("engine_id", "step_seq", "ts_ns")
 """What makes a stored record the same record: ingest skips a record read again only if a
 file already holds these three values."""
-OPTIONAL_COLUMNS = ("finished_requests",)
-"""Step-record columns a file may lack: schema version 1 predates them."""
+OPTIONAL_COLUMNS = ("finished_requests", "by_match_length")
+"""Step-record columns a file may lack: earlier schema versions predate them."""
 
 
 class DatasetError(ValueError):

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from producers.identity import EngineIdentity
+from producers.match_lengths import match_lengths_to_arrow
 from producers.request_ledger import to_arrow
 from schemas import SCHEMA_VERSION, STEP_RECORD_SCHEMA
 
@@ -103,6 +104,8 @@ class _RowBuffer:
         """Per step, accepted_per_pos (a reference)."""
         self.finished: list[np.ndarray | tuple[()]] = []
         """Per step, `RequestLedger.finish` rows (or nothing)."""
+        self.by_match: list[np.ndarray | tuple[()]] = []
+        """Per step, `match_length_rows` (or nothing)."""
 
     @property
     def size(self) -> int:
@@ -114,6 +117,7 @@ class _RowBuffer:
         self.forced.clear()
         self.accepted.clear()
         self.finished.clear()
+        self.by_match.clear()
 
     def to_table(self, identity: EngineIdentity) -> pa.Table:
         n = len(self.rows)
@@ -135,6 +139,7 @@ class _RowBuffer:
                              dtype=np.int32, count=int(offsets[-1]))
         cols["accepted_per_pos"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
         cols["finished_requests"] = to_arrow(self.finished, width)
+        cols["by_match_length"] = match_lengths_to_arrow(self.by_match, width)
         cols.update(_constant_columns(identity, n))
         return pa.table([cols[name] for name in STEP_RECORD_SCHEMA.names],
                         schema=STEP_RECORD_SCHEMA)
@@ -176,13 +181,15 @@ class StepRecorder:
         kv_tokens: int, ctx_len_mean: float, ctx_len_max: int, step_latency_s: float,
         inter_step_s: float, forced: bool = False, ts_ns: int | None = None,
         finished_requests: np.ndarray | tuple[()] = (),
+        by_match_length: np.ndarray | tuple[()] = (),
     ) -> int:
         """Append one step; returns its step_seq. Never blocks on I/O, never raises on data.
 
         `accepted_per_pos` (at most `max_k` positions are kept) and `finished_requests`
         (the rows `producers.request_ledger.RequestLedger.finish` gave for the requests that
-        left the batch, from a ledger of this recorder's `max_k` positions) are kept by
-        reference until the frame is built: pass objects that are not changed afterwards."""
+        left the batch, from a ledger of this recorder's `max_k` positions) and
+        `by_match_length` (`match_length_rows` of `max_k` positions) are kept by reference
+        until the frame is built: pass objects that are not changed afterwards."""
         if self._thread is None:
             self._start_thread()
         with self._lock:
@@ -200,6 +207,7 @@ class StepRecorder:
             buf.forced.append(forced)
             buf.accepted.append(accepted_per_pos)
             buf.finished.append(finished_requests)
+            buf.by_match.append(by_match_length)
             self.records_total += 1
             if len(rows) == buf.capacity:
                 self._rotate_locked()

@@ -124,8 +124,9 @@ def decode_frame(
         table = pa.Table.from_batches(batches, schema=reader.schema)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise FrameError("corrupt", f"not a readable Arrow IPC stream ({exc})") from exc
-    if _check_schema_version(table.schema) == 1:
-        table = upgrade_version_1(table)
+    version = _check_schema_version(table.schema)
+    if version < SCHEMA_VERSION:
+        table = upgrade_earlier_version(table, version)
     return _conform(table)
 
 
@@ -202,15 +203,20 @@ def _check_schema_version(schema: pa.Schema) -> int:
     return _require_known_version(metadata[SCHEMA_VERSION_METADATA_KEY], "schema metadata")
 
 
-def upgrade_version_1(table: pa.Table) -> pa.Table:
-    """A version-1 table as version 2: no finished requests recorded (the column came in
-    version 2), every other column as it was. Engines of both versions can share a topic
-    while a fleet upgrades."""
-    if "finished_requests" in table.schema.names:
-        return table
-    empty = pa.array([[]] * table.num_rows,
-                     type=STEP_RECORD_SCHEMA.field("finished_requests").type)
-    table = table.append_column(STEP_RECORD_SCHEMA.field("finished_requests"), empty)
+ADDED_COLUMNS = {2: ("finished_requests",), 3: ("by_match_length",)}
+"""The columns each schema version added: empty in a frame of an earlier version."""
+
+
+def upgrade_earlier_version(table: pa.Table, version: int) -> pa.Table:
+    """A table of an earlier schema version as this one: the columns added since are empty
+    (nothing was recorded in them), every other column as it was. Engines of several
+    versions can share a topic while a fleet upgrades."""
+    added = [name for since, names in ADDED_COLUMNS.items() if since > version
+             for name in names]
+    for name in added:
+        if name not in table.schema.names:
+            empty = pa.array([[]] * table.num_rows, type=STEP_RECORD_SCHEMA.field(name).type)
+            table = table.append_column(STEP_RECORD_SCHEMA.field(name), empty)
     if "schema_version" in table.schema.names:
         index = table.schema.get_field_index("schema_version")
         table = table.set_column(index, table.schema.field(index), pa.array(

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from schemas.draft_budget import MAX_MATCH_LENGTHS
 from schemas.envelope import MAX_BATCH_SIZE, MAX_K, MAX_NAME_CHARS
 from schemas.step_record import KNOWN_SCHEMA_VERSIONS, REQUEST_SEGMENTS
 
@@ -204,6 +205,39 @@ def _checks(c: _Columns, now_ns: int | None, max_future_s: float) -> Iterator[_C
                 bad |= segments.field(name).to_numpy() < 0
         yield ("finished_requests", f"must have segments within 0..{REQUEST_SEGMENTS - 1} "
                "and counts >= 0", rows_of(parents, bad), None)
+    if c.has("by_match_length", "num_decode_reqs"):
+        lengths_, parents, _ = c.flat("by_match_length")
+        bad = np.zeros(len(lengths_), dtype=bool)
+        if len(lengths_):
+            length = lengths_.field("match_length").to_numpy()
+            requests = lengths_.field("requests").to_numpy().astype(np.int64)
+            bad |= (length < 0) | (length > MAX_MATCH_LENGTHS)
+            bad |= (requests < 0) | (requests > c["num_decode_reqs"][parents])
+            bad |= lengths_.field("draft_tokens").to_numpy() < 0
+            bad |= _bad_position_counts(lengths_, requests)
+        yield ("by_match_length", f"must have match lengths within 0..{MAX_MATCH_LENGTHS}, "
+               "requests within 0..num_decode_reqs, and per position at most "
+               f"{MAX_K} counts with 0 <= accepted <= reached <= requests",
+               rows_of(parents, bad), None)
+
+
+def _bad_position_counts(rows: pa.StructArray, requests: np.ndarray) -> np.ndarray:
+    """Per row: a position list longer than MAX_K, of another length than its partner, or
+    counts outside 0 <= accepted <= reached <= requests."""
+    bad = np.zeros(len(rows), dtype=bool)
+    reached_col, accepted_col = rows.field("reached_per_pos"), rows.field("accepted_per_pos")
+    reached_len = pc.list_value_length(reached_col).to_numpy(zero_copy_only=False)
+    accepted_len = pc.list_value_length(accepted_col).to_numpy(zero_copy_only=False)
+    bad |= (reached_len > MAX_K) | (reached_len != accepted_len)
+    if bad.all():
+        return bad
+    reached = reached_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    accepted = accepted_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    owner = pc.list_parent_indices(reached_col).to_numpy()
+    if len(reached) == len(accepted):
+        wrong = (accepted < 0) | (accepted > reached) | (reached > requests[owner])
+        bad[owner[wrong]] = True
+    return bad
 
 
 def _finite(name: str, c: _Columns, within: Callable[[np.ndarray], np.ndarray],

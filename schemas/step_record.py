@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bump when a column changes meaning or type; readers refuse versions they do not know.
-Version 2 added `finished_requests`; a version-1 frame reads as one with none."""
+Version 2 added `finished_requests`, version 3 `by_match_length`; an earlier frame reads as
+one with none of them."""
 
-KNOWN_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, SCHEMA_VERSION})
 
 REQUEST_SEGMENTS = 13
 """Segments of a request's generation: segment s holds the decode steps that started with
@@ -49,6 +50,21 @@ fitter weigh each request by the steps it would need at any K (`fitter.surface.c
 Segments carry the trend within one request: acceptance grows with what has been generated
 (magnitudes in docs/TUNING.md)."""
 
+MATCH_LENGTH_TYPE = pa.struct(
+    [
+        pa.field("match_length", pa.int16(), nullable=False),
+        pa.field("requests", pa.int32(), nullable=False),
+        pa.field("draft_tokens", pa.int32(), nullable=False),
+        pa.field("reached_per_pos", pa.list_(pa.int32()), nullable=False),
+        pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),
+    ]
+)
+"""This step's decode requests whose drafts came from an n-gram match of `match_length`
+tokens (0: no match, so no drafts): how many, the drafts they verified, and per draft
+position how many drafts reached it (all before it accepted) and how many also accepted it.
+Acceptance by match length is what per-request budgets are fitted from
+(`schemas.draft_budget`); drafters that report no match length leave the list empty."""
+
 SCHEMA_VERSION_METADATA_KEY = b"tabletune.schema_version"
 
 STEP_RECORD_SCHEMA = pa.schema(
@@ -78,6 +94,7 @@ STEP_RECORD_SCHEMA = pa.schema(
         pa.field("inter_step_s", pa.float64(), nullable=False),
         pa.field("forced", pa.bool_(), nullable=False),
         pa.field("finished_requests", pa.list_(REQUEST_SEGMENT_TYPE), nullable=False),
+        pa.field("by_match_length", pa.list_(MATCH_LENGTH_TYPE), nullable=False),
     ],
     metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -124,6 +141,9 @@ class StepRecord:
     finished_requests: tuple[dict[str, object], ...] = ()
     """Requests that left the batch since the previous step, one `REQUEST_SEGMENT_TYPE`
     row per segment of their generation that had decode steps."""
+    by_match_length: tuple[dict[str, object], ...] = ()
+    """One `MATCH_LENGTH_TYPE` row per match length among this step's decode requests
+    (n-gram drafters that report it; empty otherwise)."""
     schema_version: int = field(default=SCHEMA_VERSION)
 
 
@@ -136,6 +156,7 @@ def records_to_table(records: list[StepRecord]) -> pa.Table:
     columns = {name: [getattr(r, name) for r in records] for name in STEP_RECORD_SCHEMA.names}
     columns["accepted_per_pos"] = [list(r.accepted_per_pos) for r in records]
     columns["finished_requests"] = [[dict(x) for x in r.finished_requests] for r in records]
+    columns["by_match_length"] = [[dict(x) for x in r.by_match_length] for r in records]
     return pa.table(columns, schema=STEP_RECORD_SCHEMA)
 
 
@@ -145,5 +166,6 @@ def table_to_records(table: pa.Table) -> list[StepRecord]:
     for row in table.select(list(STEP_RECORD_SCHEMA.names)).to_pylist():
         row["accepted_per_pos"] = tuple(row["accepted_per_pos"])
         row["finished_requests"] = tuple(row["finished_requests"])
+        row["by_match_length"] = tuple(row["by_match_length"])
         out.append(StepRecord(**row))
     return out

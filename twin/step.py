@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controller.engine.table_switch import TableSwitch
+from producers.match_lengths import match_length_rows
 from producers.recorder import RecorderConfig, StepRecorder
 from producers.request_ledger import RequestLedger
 from twin.batch import ARRIVAL, FIRST_TOKEN, OUTPUT, PHASE, POOL_INDEX, REQUEST_ID, RunningBatch
@@ -178,10 +179,14 @@ class StepEngine:
             num_drafts = int(np.count_nonzero(pending))
         left = b.output[:d] - generated
         emit = np.minimum(emit_full, left)
+        by_match: np.ndarray | tuple[()] = ()
         if self.recorder is not None and d:
             self._ledger.observe(b.request_id[:d], generated=generated,
                                  drafted=k if uniform else pending,
                                  accepted=emit_full - 1, emitted=emit, context=ctx)
+            if self.match_len is not None:
+                by_match = self._by_match_length(b.acc_offset[:d] + (generated - 1),
+                                                 pending, emit_full - 1)
         generated += emit
         finished = emit == left
         emitted = int(_add(emit))
@@ -230,7 +235,7 @@ class StepEngine:
                 accepted_per_pos=per_pos, kv_tokens=kv, ctx_len_mean=kv / batch_size,
                 ctx_len_max=ctx_max, step_latency_s=latency, inter_step_s=inter_step,
                 forced=self.switch.step_forced, ts_ns=self._epoch_ns + int(t * 1e9),
-                finished_requests=leaving)
+                finished_requests=leaving, by_match_length=by_match)
             if self.steps % self._backlog_check_steps == 0:
                 self._wait_for_sink(self.recorder)
         self.log.add_step(t, latency, batch_size, k_next, emitted, phase)
@@ -318,6 +323,17 @@ class StepEngine:
         unmatched = self._match_rng.random(len(rows)) >= self._match_prob
         b.k_pending[rows[unmatched]] = 0
         return bool(np.any(b.k_pending[:decoding][~finished[:decoding]]))
+
+    def _by_match_length(self, positions: np.ndarray, drafts: np.ndarray | None,
+                         accepted: np.ndarray) -> np.ndarray | tuple[()]:
+        """Telemetry's acceptance by match length for this step's looked-up requests."""
+        assert self.match_len is not None and drafts is not None  # looked up: per request
+        matched = self.match_len[positions]
+        known = matched >= 0
+        if not known.any():
+            return ()
+        return match_length_rows(matched[known], drafts[known], accepted[known],
+                                 self.switch.max_k)
 
     @staticmethod
     def _accepted_per_pos(emit_full: np.ndarray, k: int) -> np.ndarray:

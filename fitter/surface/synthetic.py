@@ -178,6 +178,8 @@ def make_step_records(
         "forced": np.full(n_steps, forced),
         "finished_requests": _ledger(np.random.default_rng([seed, 1]), finished_per_step,
                                      k_next, conditional, draft_share, context_tokens),
+        "by_match_length": pa.array([[]] * n_steps,
+                                    type=STEP_RECORD_SCHEMA.field("by_match_length").type),
     }
     return pa.table({name: columns[name] for name in STEP_RECORD_SCHEMA.names},
                     schema=STEP_RECORD_SCHEMA)

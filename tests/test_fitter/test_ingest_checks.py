@@ -26,6 +26,11 @@ def _ns(year: int) -> int:
     return int(dt.datetime(year, 1, 1, tzinfo=dt.UTC).timestamp()) * 10**9
 
 
+def _by_match(length: int, *, requests: int, reached: list[int], accepted: list[int]) -> dict:
+    return {"match_length": length, "requests": requests, "draft_tokens": len(reached),
+            "reached_per_pos": reached, "accepted_per_pos": accepted}
+
+
 BAD_ROWS = {
     # step_seq within the mixed frame -> (the change, the reason it must be dead-lettered with)
     3: ({"batch_size": -5}, "invalid_batch_size"),
@@ -49,12 +54,21 @@ BAD_ROWS = {
     35: ({"accepted_per_pos": (-1, 0, 0)}, "invalid_accepted_per_pos"),
     37: ({"table_version": -2}, "invalid_table_version"),
     39: ({"schema_version": 9}, "invalid_schema_version"),
+    41: ({"by_match_length": (_by_match(2, requests=1, reached=[1, 1], accepted=[1, 2]),)},
+         "invalid_by_match_length"),  # more accepted than reached
+    43: ({"by_match_length": (_by_match(2, requests=10**6, reached=[1], accepted=[1]),)},
+         "invalid_by_match_length"),  # more requests than the step decoded
+    45: ({"by_match_length": (_by_match(99, requests=1, reached=[1], accepted=[0]),)},
+         "invalid_by_match_length"),  # a match longer than any lookup
 }
 """Each row breaks one rule only; the reason is `invalid_<the field>`."""
 
 
 def _mixed_records() -> list:
     records = sample_records(48, engine_id="mixed")
+    records[1] = dataclasses.replace(records[1], by_match_length=(  # a good row: 2 decoding
+        _by_match(0, requests=1, reached=[0], accepted=[0]),
+        _by_match(3, requests=1, reached=[1, 1], accepted=[1, 0])))
     for seq, (change, _) in BAD_ROWS.items():
         records[seq] = dataclasses.replace(records[seq], **change)
     return records

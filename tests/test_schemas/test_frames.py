@@ -9,6 +9,7 @@ import zstandard
 from hypothesis import given, settings
 
 from schemas import (
+    SCHEMA_VERSION,
     STEP_RECORD_SCHEMA,
     FrameError,
     decode_frame,
@@ -100,21 +101,30 @@ def test_wrong_type_is_named():
 
 
 def test_a_version_1_frame_reads_as_one_without_finished_requests():
-    table = _sample_table().drop_columns(["finished_requests"])
+    table = _sample_table().drop_columns(["finished_requests", "by_match_length"])
     index = table.schema.get_field_index("schema_version")
     table = table.set_column(index, table.schema.field(index),
                              pa.array([1] * table.num_rows, type=pa.int16()))
     decoded = decode_frame(_ipc_zstd(table, b"1"), [(HEADER_SCHEMA_VERSION, b"1")])
     assert decoded.schema.names == STEP_RECORD_SCHEMA.names
     assert decoded.column("finished_requests").to_pylist() == [[]] * 5
-    assert decoded.column("schema_version").to_pylist() == [2] * 5
+    assert decoded.column("by_match_length").to_pylist() == [[]] * 5
+    assert decoded.column("schema_version").to_pylist() == [SCHEMA_VERSION] * 5
     assert decoded.column("kv_tokens").to_pylist() == table.column("kv_tokens").to_pylist()
 
 
 def test_a_version_2_frame_without_finished_requests_is_refused():
-    table = _sample_table().drop_columns(["finished_requests"])
+    table = _sample_table().drop_columns(["finished_requests", "by_match_length"])
     with pytest.raises(FrameError, match="^missing_column: columns missing: finished_requests"):
         decode_frame(_ipc_zstd(table, b"2"))
+
+
+def test_a_version_2_frame_reads_as_one_without_match_lengths():
+    table = _sample_table().drop_columns(["by_match_length"])
+    decoded = decode_frame(_ipc_zstd(table, b"2"), [(HEADER_SCHEMA_VERSION, b"2")])
+    assert decoded.column("by_match_length").to_pylist() == [[]] * 5
+    assert decoded.column("finished_requests").to_pylist() == \
+        table.column("finished_requests").to_pylist()
 
 
 def test_extra_columns_are_dropped():

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from producers.prompt_lookup import prompt_lookup
+from producers.sinks import read_file_sink
 from schemas import DraftTable
 from schemas.draft_budget import DraftBudget
-from twin import DrafterConfig, PhaseConfig, Policy, Scenario, build_engine
+from twin import DrafterConfig, PhaseConfig, Policy, Scenario, build_engine, run_scenario
 from twin.config import ScenarioError
+from twin.policies import StaticTable
 from twin.workload import LOOKUP_DRAFT_TOKENS, load_trace
 
 
@@ -122,3 +124,33 @@ def test_a_budget_sets_each_requests_drafts_by_its_match_length(tmp_path):
     assert all(s.num_draft_tokens == 2 * s.num_drafts for s in only_long)
     above_table = steps({"min_match": 1, "ranges": [[1, 256, [7, 7, 7]]]})
     assert {step.k for step in above_table} == {4}  # the table caps the budget
+
+
+def test_telemetry_splits_each_step_by_match_length(tmp_path):
+    rng = np.random.default_rng(7)
+    rows = [(rng.integers(0, 5, 40).tolist(), rng.integers(0, 5, 150).tolist())
+            for _ in range(16)]
+    trace = write_trace(tmp_path / "small-vocab.jsonl", rows)
+    scenario = Scenario(seed=3, drafter=DrafterConfig(method="ngram", prompt_lookup_min=1,
+                                                      prompt_lookup_max=3),
+                        phases=(PhaseConfig(duration_s=30.0, concurrency=8, trace=str(trace)),))
+    policy = StaticTable(DraftTable.from_vllm([[1, 256, 4]]), name="k4", budget=DraftBudget(
+        min_match=1, ranges=((1, 256, (1, 3, 4)),)))
+    run_scenario(scenario, policy, sink=f"file://{tmp_path / 'sink'}")
+    records = read_file_sink(tmp_path / "sink").to_pylist()
+    decoding = [r for r in records if r["num_decode_reqs"]]
+    assert decoding
+    seen = set()
+    for record in decoding:
+        parts = record["by_match_length"]
+        seen |= {part["match_length"] for part in parts}
+        assert sum(part["requests"] for part in parts) == record["num_decode_reqs"]
+        assert sum(part["draft_tokens"] for part in parts) == record["num_draft_tokens"]
+        accepted = [sum(part["accepted_per_pos"][i] for part in parts)
+                    for i in range(record["k"])]
+        assert accepted == record["accepted_per_pos"]
+        for part in parts:
+            budget = (0, 1, 3, 4)[part["match_length"]]
+            assert part["draft_tokens"] <= budget * part["requests"]
+            assert part["reached_per_pos"][0] <= part["requests"]
+    assert {1, 2, 3} <= seen  # (five token ids: every position matches a 1-gram)

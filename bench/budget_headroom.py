@@ -6,11 +6,13 @@ every two-level budget "K_hi where the n-gram match is at least n tokens, else K
 scored on another against that seed's best fixed K, so the figure is not the pick's luck.
 The budgets are static oracles: this is the headroom a learner can reach.
 
-Beside them, `fitter.budget.derive_budget`'s budget from the true statistics: acceptance by
-match length and position, and each length's share, counted over the trace's positions, and
-the twin's own latency model. It checks the derivation, not the learning: telemetry would
-give the same statistics with noise, from the positions steps actually land on. Needs
-`../shared`'s traces (the twin looks prompt lookup up on their tokens).
+Beside them, two budgets `fitter.budget` derives: "derived", from the true statistics
+(acceptance by match length and position, and each length's share, counted over the trace's
+positions) and the twin's own latency model, which checks the derivation; and "learned",
+from telemetry alone: a run of its own seed at the table's K (max_k) with a telemetry sink,
+`fit_surface` on its records and `fit_budget` on the surface and the records' acceptance by
+match length, which is what a fit on a live key does. Needs `../shared`'s traces (the twin
+looks prompt lookup up on their tokens).
 
     .venv/bin/python -m bench.budget_headroom --trace instructcoder --lookup 1 4 \\
         --loads 1 32 128 [--max-k 7] [--duration 90] [--out DIR]
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -27,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np
 
 from bench.common import emit
-from fitter.budget import derive_budget
+from fitter.budget import derive_budget, fit_budget, match_statistics
+from fitter.surface.fit import fit_surface
+from producers.sinks import read_file_sink
 from schemas import DraftTable
 from schemas.draft_budget import DraftBudget
 from twin import DrafterConfig, PhaseConfig, Scenario, run_scenario
@@ -37,20 +42,38 @@ from twin.policies import StaticTable
 from twin.workload import load_trace
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specdecode-bench"
-PICK_SEED, SCORE_SEED = 1, 2
+PICK_SEED, SCORE_SEED, LEARN_SEED = 1, 2, 5
 MAX_BATCH = EngineConfig().max_num_seqs
+
+
+def scenario(trace: Path, load: int, lookup: tuple[int, int], max_k: int, seed: int,
+             duration_s: float) -> Scenario:
+    return Scenario(seed=seed, engine=EngineConfig(max_k=max_k),
+                    drafter=DrafterConfig(method="ngram", prompt_lookup_min=lookup[0],
+                                          prompt_lookup_max=lookup[1]),
+                    phases=(PhaseConfig(duration_s=duration_s, concurrency=load,
+                                        trace=str(trace)),))
 
 
 def throughput(trace: Path, load: int, lookup: tuple[int, int], max_k: int, k: int,
                budget: DraftBudget | None, seed: int, duration_s: float) -> float:
-    scenario = Scenario(seed=seed, engine=EngineConfig(max_k=max_k),
-                        drafter=DrafterConfig(method="ngram", prompt_lookup_min=lookup[0],
-                                              prompt_lookup_max=lookup[1]),
-                        phases=(PhaseConfig(duration_s=duration_s, concurrency=load,
-                                            trace=str(trace)),))
     policy = StaticTable(DraftTable.from_vllm([[1, MAX_BATCH, k]]), name=f"k{k}",
                          budget=budget)
-    return run_scenario(scenario, policy).output_tokens_per_s
+    return run_scenario(scenario(trace, load, lookup, max_k, seed, duration_s),
+                        policy).output_tokens_per_s
+
+
+def learned_budget(trace: Path, load: int, lookup: tuple[int, int], max_k: int,
+                   duration_s: float) -> DraftBudget:
+    """The budget fitted from a telemetry run at the table's K, as a live key's fit would."""
+    table = DraftTable.from_vllm([[1, MAX_BATCH, max_k]])
+    with tempfile.TemporaryDirectory() as sink:
+        run_scenario(scenario(trace, load, lookup, max_k, LEARN_SEED, duration_s),
+                     StaticTable(table, name=f"k{max_k}"), sink=f"file://{sink}")
+        records = read_file_sink(sink)
+    surface = fit_surface(records, max_k=max_k, max_batch=MAX_BATCH, half_life_s=None)
+    statistics = match_statistics(records, n_positions=max_k, max_match=lookup[1])
+    return fit_budget(surface, statistics, table, min_match=lookup[0])
 
 
 def two_level(lookup: tuple[int, int], high: int, low: int, at_least: int) -> DraftBudget:
@@ -74,12 +97,16 @@ def headroom(trace: Path, load: int, lookup: tuple[int, int], max_k: int,
     best_k = max(scored_fixed, key=scored_fixed.__getitem__)
     derived = derived_budget(trace, load, lookup, max_k)
     derived_tok_s = run(max_k, derived, SCORE_SEED)
+    learned = learned_budget(trace, load, lookup, max_k, duration_s)
+    learned_tok_s = run(max_k, learned, SCORE_SEED)
     return {"load": load, "budget": {"k_high": best[0], "k_low": best[1], "at_least": best[2]},
             "pick_ratio": candidates[best] / max(fixed.values()),
             "score_ratio": scored / scored_fixed[best_k], "score_best_fixed_k": best_k,
             "score_tok_s": scored, "score_best_fixed_tok_s": scored_fixed[best_k],
             "derived": derived.k_by_match(load, lookup[1])[lookup[0]:],
-            "derived_ratio": derived_tok_s / scored_fixed[best_k]}
+            "derived_ratio": derived_tok_s / scored_fixed[best_k],
+            "learned": learned.k_by_match(load, lookup[1])[lookup[0]:],
+            "learned_ratio": learned_tok_s / scored_fixed[best_k]}
 
 
 def derived_budget(trace: Path, load: int, lookup: tuple[int, int], max_k: int

@@ -17,10 +17,17 @@ length: the table stays the budget's bound.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
 from numpy.typing import ArrayLike, NDArray
 
+from fitter.records import Records, as_frame
+from fitter.surface.acceptance import beta_posteriors
+from fitter.surface.fit import SurfaceFit
+from fitter.surface.latency import decode_matrix
+from schemas import DraftTable
 from schemas.draft_budget import DraftBudget
 
 LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
@@ -29,6 +36,11 @@ LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 MAX_ROUNDS = 8
 """Coordinate-ascent rounds per batch size; two or three settle it in practice, the bound
 only keeps a tie from cycling."""
+PRIOR_MEAN, PRIOR_STRENGTH, EXTRAPOLATION_DECAY = 0.6, 8.0, 0.95
+"""The acceptance model's priors (`fitter.surface.acceptance.AcceptanceModel`'s defaults):
+a length's unmeasured positions are judged as the pooled model judges them."""
+LATENCY_FLOOR_S = 1e-6
+"""A fitted step latency is positive; the floor only keeps a ratio finite."""
 
 
 def acceptance_lengths(conditional: ArrayLike, max_k: int) -> NDArray[np.float64]:
@@ -97,3 +109,67 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
         else:
             ranges.append((batch_size, batch_size, ks))
     return DraftBudget(min_match=min_match, ranges=tuple(ranges))
+
+
+@dataclass(frozen=True, slots=True)
+class MatchStatistics:
+    """What telemetry says about requests by their n-gram match length."""
+
+    share: NDArray[np.float64]
+    """Share of decode requests per match length 0..M."""
+    conditional: NDArray[np.float64]
+    """(M + 1, positions): posterior mean of P(accept position i | reached it) per length."""
+    reached: NDArray[np.float64]
+    """(M + 1, positions): drafts that reached each position: how much was measured."""
+
+
+def match_statistics(records: Records, *, n_positions: int, max_match: int,
+                     prior_mean: float = PRIOR_MEAN, prior_strength: float = PRIOR_STRENGTH,
+                     extrapolation_decay: float = EXTRAPOLATION_DECAY) -> MatchStatistics:
+    """Shares and chained Beta posteriors of acceptance per (match length, position) from
+    the records' `by_match_length` sums. A position a length never reached keeps its
+    predecessor's estimate, decayed and loosely held (`fitter.surface.acceptance`), so a
+    K a budget has not drafted yet is priced plausibly rather than as worthless."""
+    frame = as_frame(records, columns=("by_match_length",))
+    if "by_match_length" not in frame.columns:
+        raise ValueError("the records have no by_match_length column (schema version < 3)")
+    parts = frame.select(pl.col("by_match_length").explode().struct.unnest()).drop_nulls()
+    parts = parts.filter(pl.col("match_length").is_between(0, max_match))
+    lengths = parts["match_length"].to_numpy().astype(np.int64)
+    requests = np.bincount(lengths, weights=parts["requests"].to_numpy(),
+                           minlength=max_match + 1)
+    if requests.sum() <= 0:
+        raise ValueError("no decode request with a match length in the records")
+    reached = np.zeros((max_match + 1, n_positions))
+    accepted = np.zeros((max_match + 1, n_positions))
+    for column, into in (("reached_per_pos", reached), ("accepted_per_pos", accepted)):
+        for length, counts in zip(lengths, parts[column].to_list(), strict=True):
+            width = min(len(counts), n_positions)
+            into[length, :width] += counts[:width]
+    conditional = np.zeros_like(reached)
+    for length in range(max_match + 1):
+        alpha, beta = beta_posteriors(reached[length], np.minimum(accepted[length],
+                                                                   reached[length]),
+                                      prior_mean=prior_mean, prior_strength=prior_strength,
+                                      extrapolation_decay=extrapolation_decay)
+        conditional[length] = alpha / (alpha + beta)
+    return MatchStatistics(requests / requests.sum(), conditional, reached)
+
+
+def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, table: DraftTable, *,
+               min_match: int) -> DraftBudget:
+    """The budget `derive_budget` gives with the surface's step-latency model: a step of B
+    decode requests drafting d tokens each on average is priced as the model prices B
+    requests at the table's K with d / K of the draft slots filled, at the context the
+    surface holds for B."""
+    cap = table.to_dense(surface.max_batch)
+    context = surface.context_tokens
+
+    def latency(batch_size: int, drafts: NDArray[np.float64]) -> NDArray[np.float64]:
+        k = cap[batch_size]
+        share = drafts / k if k else np.zeros_like(drafts)
+        rows = decode_matrix(batch_size, k, context[batch_size - 1], share)
+        return np.maximum(surface.latency.predict(rows), LATENCY_FLOOR_S)
+
+    return derive_budget(cap, list(statistics.conditional), statistics.share, latency,
+                         min_match=min_match)

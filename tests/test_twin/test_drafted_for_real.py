@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fitter.budget import fit_budget, match_statistics
+from fitter.surface.fit import fit_surface
 from producers.prompt_lookup import prompt_lookup
 from producers.sinks import read_file_sink
 from schemas import DraftTable
@@ -154,3 +156,38 @@ def test_telemetry_splits_each_step_by_match_length(tmp_path):
             assert part["draft_tokens"] <= budget * part["requests"]
             assert part["reached_per_pos"][0] <= part["requests"]
     assert {1, 2, 3} <= seen  # (five token ids: every position matches a 1-gram)
+
+
+def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
+    """Telemetry at one K -> the surface and acceptance by match length -> a budget that
+    drafts long matches deeper than short ones, within the table."""
+    rng = np.random.default_rng(11)
+    cycle = rng.integers(0, 50, 12).tolist()
+
+    def noisy_copy(length: int) -> list[int]:  # the cycle, one token in eight replaced
+        tokens = (cycle * (length // len(cycle) + 1))[:length]
+        return [int(rng.integers(50, 60)) if rng.random() < 0.125 else t for t in tokens]
+
+    rows = [(noisy_copy(48), noisy_copy(200)) for _ in range(24)]
+    trace = write_trace(tmp_path / "copying.jsonl", rows)
+    scenario = Scenario(seed=4, drafter=DrafterConfig(method="ngram", prompt_lookup_min=1,
+                                                      prompt_lookup_max=3),
+                        phases=(PhaseConfig(duration_s=60.0, concurrency=32,
+                                            trace=str(trace)),))
+    table = DraftTable.from_vllm([[1, 256, 5]])
+    run_scenario(scenario, StaticTable(table, name="k5"), sink=f"file://{tmp_path / 'sink'}")
+    records = read_file_sink(tmp_path / "sink")
+    statistics = match_statistics(records, n_positions=5, max_match=3)
+    parts = [part for step in records.column("by_match_length").to_pylist() for part in step]
+    requests = np.bincount([p["match_length"] for p in parts],
+                           weights=[p["requests"] for p in parts], minlength=4)
+    np.testing.assert_allclose(statistics.share, requests / requests.sum())
+    first = [sum(p["accepted_per_pos"][0] for p in parts if p["match_length"] == m)
+             / max(1, sum(p["reached_per_pos"][0] for p in parts if p["match_length"] == m))
+             for m in range(4)]
+    assert first[3] > first[1]  # a longer match predicts a better draft here
+    assert statistics.conditional[3, 0] == pytest.approx(first[3], abs=0.02)
+    surface = fit_surface(records, max_k=5, max_batch=256, half_life_s=None)
+    budget = fit_budget(surface, statistics, table, min_match=1).validate(5, 256)
+    ks = budget.k_by_match(32, max_match=3)
+    assert ks[0] == 0 and max(ks) <= 5 and ks[3] >= ks[1]

@@ -73,7 +73,7 @@ def learned_budget(trace: Path, load: int, lookup: tuple[int, int], max_k: int,
         records = read_file_sink(sink)
     surface = fit_surface(records, max_k=max_k, max_batch=MAX_BATCH, half_life_s=None)
     statistics = match_statistics(records, n_positions=max_k, max_match=lookup[1])
-    return fit_budget(surface, statistics, table, min_match=lookup[0])
+    return fit_budget(surface, statistics, max_k=max_k, min_match=lookup[0])
 
 
 def two_level(lookup: tuple[int, int], high: int, low: int, at_least: int) -> DraftBudget:

@@ -27,7 +27,6 @@ from fitter.records import Records, as_frame
 from fitter.surface.acceptance import beta_posteriors
 from fitter.surface.fit import SurfaceFit
 from fitter.surface.latency import decode_matrix
-from schemas import DraftTable
 from schemas.draft_budget import DraftBudget
 
 LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
@@ -156,19 +155,18 @@ def match_statistics(records: Records, *, n_positions: int, max_match: int,
     return MatchStatistics(requests / requests.sum(), conditional, reached)
 
 
-def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, table: DraftTable, *,
+def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
                min_match: int) -> DraftBudget:
-    """The budget `derive_budget` gives with the surface's step-latency model: a step of B
-    decode requests drafting d tokens each on average is priced as the model prices B
-    requests at the table's K with d / K of the draft slots filled, at the context the
-    surface holds for B."""
-    cap = table.to_dense(surface.max_batch)
+    """The budget `derive_budget` gives with the surface's step-latency model, each match
+    length's K within the engine's startup `max_k`. A step of B decode requests drafting d
+    tokens each on average is priced as the model prices B requests at `max_k` with
+    d / max_k of the draft slots filled, at the context the surface holds for B."""
+    cap = [max_k] * (surface.max_batch + 1)
     context = surface.context_tokens
 
     def latency(batch_size: int, drafts: NDArray[np.float64]) -> NDArray[np.float64]:
-        k = cap[batch_size]
-        share = drafts / k if k else np.zeros_like(drafts)
-        rows = decode_matrix(batch_size, k, context[batch_size - 1], share)
+        share = drafts / max_k if max_k else np.zeros_like(drafts)
+        rows = decode_matrix(batch_size, max_k, context[batch_size - 1], share)
         return np.maximum(surface.latency.predict(rows), LATENCY_FLOOR_S)
 
     return derive_budget(cap, list(statistics.conditional), statistics.share, latency,

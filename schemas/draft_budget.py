@@ -8,8 +8,11 @@ sizes 1-32, a 1-token match drafts 2 and a longer one 7; at 33-256, a 1-token ma
 nothing, 2 tokens draft 1, longer ones 4". The last K of a list holds for longer matches,
 and a request without a match drafts nothing, as in vLLM.
 
-The draft table stays the cap (and what vLLM's own config takes): a request never drafts
-more than the table's K for its batch size. Ranges cover 1..max_batch like a table's.
+A budget travels with a draft table and stands beside it: an engine whose drafter reports
+match lengths runs the budget, any other runs the table (which is also what vLLM's own
+config takes), so each gets the best policy it can run. Forced steps (a profile, a probe)
+run the table's K for everyone. Ranges cover 1..max_batch like a table's, and no K exceeds
+the engine's startup maximum.
 """
 
 from __future__ import annotations
@@ -89,12 +92,10 @@ class DraftBudget:
                      else chosen[min(length - self.min_match, len(chosen) - 1)]
                      for length in range(max_match + 1))
 
-    def capped(self, table: DraftTable, max_batch: int, max_match: int
-               ) -> tuple[tuple[int, ...], ...]:
-        """Dense K by (batch size, match length), never above the table's K: index 0 of
-        the batch size unused, as in `DraftTable.to_dense`."""
-        dense = table.to_dense(max_batch)
-        return ((),) + tuple(tuple(min(k, dense[size]) for k in self.k_by_match(size, max_match))
+    def to_dense(self, max_batch: int, max_match: int) -> tuple[tuple[int, ...], ...]:
+        """K by (batch size, match length) for batch sizes 1..max_batch and lengths
+        0..max_match; index 0 of the batch size unused, as in `DraftTable.to_dense`."""
+        return ((),) + tuple(self.k_by_match(size, max_match)
                              for size in range(1, max_batch + 1))
 
 

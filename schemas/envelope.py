@@ -155,8 +155,8 @@ class TableEnvelope:
     """The sender's ownership epoch of the key (a control replica's group generation + 1);
     0: not sent by a control replica (an operator's, or an earlier release's): unfenced."""
     budget: DraftBudget | None = None
-    """K per request by its n-gram match length, under `table` (`schemas.draft_budget`);
-    None: every request drafts the table's K."""
+    """K per request by its n-gram match length (`schemas.draft_budget`), run in place of
+    `table` by engines whose drafter reports match lengths; None: the table for all."""
     signature: Signature | None = None
 
     def __post_init__(self) -> None:

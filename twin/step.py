@@ -211,13 +211,15 @@ class StepEngine:
         self._last_k_next = k_next
         b.k_pending[:d + completed] = k_next
         n_finished = int(np.count_nonzero(finished))
-        drafting = k_next > 0 and d + completed > n_finished
+        budget = None if uniform else self.switch.budget_for(batch_size)
+        drafting = (k_next > 0 or budget is not None) and d + completed > n_finished
         if drafting and not uniform:
-            drafting = self._per_request_drafts(d + completed, finished,
-                                                self.switch.budget_for(batch_size))
+            drafting = self._per_request_drafts(d + completed, finished, budget)
         accepted = int(_add(emit_full)) - d
         per_pos = self._accepted_per_pos(emit_full, k)
-        latency = self._latency(kv, d + draft_tokens + prefill_tokens, k_next if drafting else 0)
+        drafter_k = k_next if budget is None else max(budget)
+        latency = self._latency(kv, d + draft_tokens + prefill_tokens,
+                                drafter_k if drafting else 0)
         t_end = t + latency
         if completed:
             b.first_token[d:d + completed] = t_end
@@ -304,8 +306,8 @@ class StepEngine:
         """Drafts per request for its next step, where they differ from the step's K.
 
         Requests whose n-gram lookup finds no match propose nothing: where the pool was
-        drafted for real, exactly where lookup missed, and a budget then sets the others' K
-        by their match length; elsewhere at chance 1 - `ngram_match_prob` where nothing
+        drafted for real, exactly where lookup missed, and a budget then sets every
+        request's K by its match length (in place of the step's K); elsewhere at chance 1 - `ngram_match_prob` where nothing
         would be accepted (SpecDecode-Bench's match model). Returns whether any request
         still drafts."""
         b = self.batch

@@ -107,7 +107,7 @@ class EngineFeed:
     def _stage(self, desired: TableEnvelope | None, version: int) -> None:
         """Stage the desired table with its explorer and budget (the startup table for
         version 0). An engine whose drafter reports no match length runs the table alone:
-        the table is the budget's cap and stands on its own."""
+        the budget is for drafters that do."""
         switch = self.switch
         table = switch.startup_table if desired is None else desired.table
         explorer = budget = None

@@ -34,7 +34,7 @@ class StagedTable:
     """Exploration plan that travels with this table (None: no exploration)."""
     budget: DraftBudget | None = None
     budget_lookup: tuple[tuple[int, ...], ...] | None = None
-    """Dense K by (batch size, match length), capped by the table (None: no budget)."""
+    """Dense K by (batch size, match length) (None: no budget, the table's K for all)."""
 
 
 class TableSwitch:
@@ -139,7 +139,7 @@ class TableSwitch:
                 raise TableError("a draft budget needs a drafter that reports match "
                                  "lengths (n-gram prompt lookup)")
             budget.validate(self.max_k, self.max_batch)
-            budget_lookup = budget.capped(table, self.max_batch, self.max_match)
+            budget_lookup = budget.to_dense(self.max_batch, self.max_match)
         return StagedTable(lookup=tuple(table.to_dense(self.max_batch)), version=version,
                            forced=forced, table=table, explorer=explorer, budget=budget,
                            budget_lookup=budget_lookup)

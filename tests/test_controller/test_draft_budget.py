@@ -24,11 +24,10 @@ def test_k_by_match_length_holds_its_last_k_and_drafts_nothing_without_a_match()
     assert later.k_by_match(1, max_match=4) == (0, 0, 0, 5, 5)
 
 
-def test_the_table_caps_every_request():
-    budget = DraftBudget.from_json(BUDGET)
-    table = DraftTable.from_vllm([[1, 16, 5], [17, 256, 3]])
-    dense = budget.capped(table, 256, max_match=3)
-    assert dense[1] == (0, 2, 5, 5) and dense[20] == (0, 2, 3, 3) and dense[40] == (0, 0, 1, 3)
+def test_the_dense_form_gives_each_batch_size_its_ks():
+    dense = DraftBudget.from_json(BUDGET).to_dense(256, max_match=3)
+    assert dense[1] == (0, 2, 7, 7) and dense[32] == (0, 2, 7, 7) and dense[40] == (0, 0, 1, 4)
+    assert len(dense) == 257
 
 
 @pytest.mark.parametrize("data, words", [
@@ -78,7 +77,7 @@ def test_the_switch_applies_a_budget_between_steps_and_refuses_one_it_cannot_use
     assert switch.budget_for(10) is None  # staged, not applied
     switch.apply_staged()
     switch.k_for_step(10)
-    assert switch.budget_for(10) == (0, 2, 4)
+    assert switch.budget_for(10) == (0, 2, 7)  # beside the table, not under it
     switch.stage(table, 2, forced=True)
     switch.apply_staged()
     switch.k_for_step(10)

@@ -124,8 +124,8 @@ def test_a_budget_sets_each_requests_drafts_by_its_match_length(tmp_path):
     assert {step.k for step in only_long} <= {0, 2}  # the step's most drafts is 2
     assert sum(s.num_drafts for s in only_long) < sum(s.num_drafts for s in table_alone)
     assert all(s.num_draft_tokens == 2 * s.num_drafts for s in only_long)
-    above_table = steps({"min_match": 1, "ranges": [[1, 256, [7, 7, 7]]]})
-    assert {step.k for step in above_table} == {4}  # the table caps the budget
+    deeper = steps({"min_match": 1, "ranges": [[1, 256, [7, 7, 7]]]})
+    assert {step.k for step in deeper} == {7}  # the budget stands beside the table's K
 
 
 def test_telemetry_splits_each_step_by_match_length(tmp_path):
@@ -160,7 +160,7 @@ def test_telemetry_splits_each_step_by_match_length(tmp_path):
 
 def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
     """Telemetry at one K -> the surface and acceptance by match length -> a budget that
-    drafts long matches deeper than short ones, within the table."""
+    drafts long matches at least as deep as short ones, within the engine's K."""
     rng = np.random.default_rng(11)
     cycle = rng.integers(0, 50, 12).tolist()
 
@@ -188,6 +188,6 @@ def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
     assert first[3] > first[1]  # a longer match predicts a better draft here
     assert statistics.conditional[3, 0] == pytest.approx(first[3], abs=0.02)
     surface = fit_surface(records, max_k=5, max_batch=256, half_life_s=None)
-    budget = fit_budget(surface, statistics, table, min_match=1).validate(5, 256)
+    budget = fit_budget(surface, statistics, max_k=5, min_match=1).validate(5, 256)
     ks = budget.k_by_match(32, max_match=3)
     assert ks[0] == 0 and max(ks) <= 5 and ks[3] >= ks[1]

@@ -27,7 +27,7 @@ from fitter.records import Records, as_frame
 from fitter.surface.acceptance import beta_posteriors
 from fitter.surface.fit import SurfaceFit
 from fitter.surface.latency import decode_matrix
-from schemas.draft_budget import DraftBudget
+from schemas.draft_budget import MAX_MATCH_LENGTHS, DraftBudget
 
 LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 """T(B, mean drafts per decode request) in seconds, vectorised over the mean drafts."""
@@ -53,15 +53,18 @@ def acceptance_lengths(conditional: ArrayLike, max_k: int) -> NDArray[np.float64
 
 
 def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
-            share: NDArray[np.float64], latency: LatencyFn) -> tuple[int, ...]:
-    """K per match length 0..M at one batch size. `lengths[m, K]` is AL_m(K) for
-    K = 0..cap (row 0, no match, is ignored: it never drafts); `share[m]` the share of
-    decode requests whose lookup matched m tokens."""
+            share: NDArray[np.float64], latency: LatencyFn,
+            k_values: Sequence[int] | None = None) -> tuple[int, ...]:
+    """K per match length 0..M at one batch size, among `k_values` (default 0..cap) up to
+    `cap`. `lengths[m, K]` is AL_m(K) for K = 0..cap (row 0, no match, is ignored: it
+    never drafts); `share[m]` the share of decode requests whose lookup matched m tokens."""
     n_lengths = share.size
-    ks = np.full(n_lengths, cap, dtype=np.int64)
+    candidates = np.array(sorted({int(k) for k in (k_values if k_values is not None
+                                                   else range(cap + 1)) if 0 <= k <= cap}
+                                 | {0}), dtype=np.int64)
+    ks = np.full(n_lengths, candidates[-1], dtype=np.int64)
     ks[0] = 0
     rows = np.arange(n_lengths)
-    candidates = np.arange(cap + 1)
     for _ in range(MAX_ROUNDS):
         moved = False
         for length in range(1, n_lengths):
@@ -84,13 +87,15 @@ def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
 
 
 def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[ArrayLike],
-                  share: ArrayLike, latency: LatencyFn, *, min_match: int = 1) -> DraftBudget:
+                  share: ArrayLike, latency: LatencyFn, *, min_match: int = 1,
+                  k_values: Sequence[int] | None = None) -> DraftBudget:
     """The goodput-maximising budget for batch sizes 1..len(cap_by_batch) - 1.
 
     `cap_by_batch[B]`: the table's K at B (index 0 unused). `conditional_by_length[m]`:
     conditional acceptance per position of requests whose lookup matched m tokens, for
-    m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. Batch sizes with
-    the same K by length merge into one range."""
+    m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
+    K an engine can run (its startup set; default all). Batch sizes with the same K by
+    length merge into one range."""
     shares = np.asarray(share, dtype=np.float64)
     if shares.ndim != 1 or shares.size != len(conditional_by_length) or shares.size < 2:
         raise ValueError("share and conditional_by_length need one entry per match length "
@@ -102,7 +107,8 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
     ranges: list[tuple[int, int, tuple[int, ...]]] = []
     for batch_size in range(1, len(cap_by_batch)):
         cap = int(cap_by_batch[batch_size])
-        ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency)[min_match:]
+        ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency,
+                     k_values)[min_match:]
         if ranges and ranges[-1][2] == ks:
             ranges[-1] = (ranges[-1][0], batch_size, ks)
         else:
@@ -156,7 +162,7 @@ def match_statistics(records: Records, *, n_positions: int, max_match: int,
 
 
 def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
-               min_match: int) -> DraftBudget:
+               min_match: int, k_values: Sequence[int] | None = None) -> DraftBudget:
     """The budget `derive_budget` gives with the surface's step-latency model, each match
     length's K within the engine's startup `max_k`. A step of B decode requests drafting d
     tokens each on average is priced as the model prices B requests at `max_k` with
@@ -170,4 +176,23 @@ def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
         return np.maximum(surface.latency.predict(rows), LATENCY_FLOOR_S)
 
     return derive_budget(cap, list(statistics.conditional), statistics.share, latency,
-                         min_match=min_match)
+                         min_match=min_match, k_values=k_values)
+
+
+def budget_from_records(surface: SurfaceFit, records: Records, *, max_k: int,
+                        k_values: Sequence[int] | None = None) -> DraftBudget | None:
+    """The fitted budget when the records report match lengths, else None. The lengths
+    run from the shortest match seen (prompt_lookup_min: shorter n-grams are never
+    matched) to the longest; a longer one takes the last K."""
+    frame = as_frame(records, columns=("by_match_length",))
+    if "by_match_length" not in frame.columns or max_k < 1:
+        return None
+    seen = (frame.select(pl.col("by_match_length").explode().struct.field("match_length"))
+            .drop_nulls().to_series())
+    matched = seen.filter(seen > 0)
+    if matched.len() == 0:
+        return None
+    max_match = min(int(matched.max()), MAX_MATCH_LENGTHS)  # type: ignore[arg-type]
+    statistics = match_statistics(frame, n_positions=max_k, max_match=max_match)
+    return fit_budget(surface, statistics, max_k=max_k, k_values=k_values,
+                      min_match=int(matched.min()))  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from fitter.budget import budget_from_records
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.engine_consensus import Screening, screen
 from fitter.records import Records, as_frame
@@ -149,6 +150,9 @@ def decide_refit(
         fit, key=key, version=base + 1, max_k=max_k, max_batch=max_batch,
         startup_k_values=startup_k_values, tolerance=tolerance, created_at=created_at,
         provenance={"source": "refit", "stale": stale, **screened, **dict(provenance or {})})
+    budget = budget_from_records(fit, frame, max_k=max_k, k_values=startup_k_values)
+    if budget is not None:
+        candidate = dataclasses.replace(candidate, budget=budget).validate()
     if current is None:
         return RefitDecision(candidate, True, "no current table", None, threshold, None, stale,
                              screening)

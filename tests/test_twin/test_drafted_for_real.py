@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from fitter.budget import fit_budget, match_statistics
+from fitter.refit import decide_refit
 from fitter.surface.fit import fit_surface
 from producers.prompt_lookup import prompt_lookup
 from producers.sinks import read_file_sink
-from schemas import DraftTable
+from schemas import DraftTable, TableEnvelope
 from schemas.draft_budget import DraftBudget
 from twin import DrafterConfig, PhaseConfig, Policy, Scenario, build_engine, run_scenario
 from twin.config import ScenarioError
@@ -191,3 +192,28 @@ def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
     budget = fit_budget(surface, statistics, max_k=5, min_match=1).validate(5, 256)
     ks = budget.k_by_match(32, max_match=3)
     assert ks[0] == 0 and max(ks) <= 5 and ks[3] >= ks[1]
+
+
+def test_a_refit_on_telemetry_with_match_lengths_carries_a_budget(tmp_path):
+    rng = np.random.default_rng(13)
+    rows = [(rng.integers(0, 8, 40).tolist(), rng.integers(0, 8, 160).tolist())
+            for _ in range(16)]
+    trace = write_trace(tmp_path / "small-vocab.jsonl", rows)
+
+    def records(drafter: DrafterConfig, sink: str):
+        scenario = Scenario(seed=6, drafter=drafter, phases=(
+            PhaseConfig(duration_s=30.0, concurrency=16, trace=str(trace)),))
+        run_scenario(scenario, "fixed:4", sink=f"file://{tmp_path / sink}")
+        return read_file_sink(tmp_path / sink)
+
+    looked_up = records(DrafterConfig(method="ngram", prompt_lookup_min=2,
+                                      prompt_lookup_max=3), "lookup")
+    decision = decide_refit(looked_up, None, max_batch=64,
+                            startup_k_values=(0, 1, 2, 4, 7), half_life_s=None)
+    budget = decision.envelope.budget
+    assert budget is not None and budget.min_match == 2  # the shortest match seen
+    assert {k for _, _, ks in budget.ranges for k in ks} <= {0, 1, 2, 4, 7}
+    envelope = TableEnvelope.from_json(decision.envelope.to_json()).validate()
+    assert envelope.budget == budget
+    recorded = records(DrafterConfig(method="ngram"), "recorded")
+    assert decide_refit(recorded, None, max_batch=64, half_life_s=None).envelope.budget is None

@@ -15,6 +15,11 @@ the report's fields so the fitter refits. Three signals, each with its magnitude
 - coverage: the share of steps at batch sizes far outside the ones the table was fitted on
   (a load jump: the table there is an extrapolation however good the residuals look).
 
+Where the active envelope carries a per-request budget, the engines draft each request its
+own K, which the table's predictions do not describe: latency and acceptance then read only
+the steps that verified and proposed one forced K for all (probes and sweeps; exploration
+keeps them coming).
+
 A signal fires when, over the sliding window, its magnitude passes its threshold and its
 z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.
 The fitter's own misfit is learned per table as a reference over the first `reference_s`
@@ -181,6 +186,8 @@ class DriftDetector:
         self._strict_until_s = -math.inf
         self._misfit_factor = self.config.misfit_factor
         """The active envelope's misfit factor."""
+        self._budget = False
+        """The active envelope carries a budget: only forced steps draft one K for all."""
         self._window: deque[tuple[float, NDArray[np.float64]]] = deque()
         """(chunk end, summed stats of the chunk), newest last."""
         self._ref_lat = 0.0
@@ -197,13 +204,16 @@ class DriftDetector:
 
     def set_envelope(self, version: int, surface: Mapping[str, Any] | None, at_s: float, *,
                      fitted_batch_range: tuple[int, int] | None = None,
-                     confirmed: bool = False, fit_steps: StepColumns | None = None) -> None:
+                     confirmed: bool = False, fit_steps: StepColumns | None = None,
+                     budget: bool = False) -> None:
         """A table became active at `at_s`; `surface` is its envelope's (None: no prediction).
+        `budget`: the envelope carries a per-request budget, which the engines run.
         `confirmed`: the refit that ends a re-profile, chosen among K values its
         confirmation ran steadily (`DriftConfig.confirmed_misfit_factor`). `fit_steps`: the
         steps the envelope was fitted on, whose spread is the prediction's error in the
         misfit check (None: the reference's error alone)."""
         self.version = version
+        self._budget = budget
         self._window.clear()
         self._open = None
         self._since_s = at_s
@@ -312,13 +322,16 @@ class DriftDetector:
         stats = np.zeros(_STATS)
         batch = np.minimum(steps.batch_size, self.max_batch)
         max_k = self._latency.shape[1] - 1
-        steady = (steps.table_steps() & (steps.prefill_reqs == 0) & (steps.k == steps.k_next)
+        one_k = steps.forced & steps.after_forced() if self._budget else steps.table_steps()
+        steady = (one_k & (steps.prefill_reqs == 0) & (steps.k == steps.k_next)
                   & (steps.k <= max_k) & (steps.decode_reqs > 0))
         predicted = self._latency[batch[steady], steps.k[steady]]
         ok = np.isfinite(predicted)
         resid = np.log(steps.latency_s[steady][ok]) - predicted[ok]
         stats[0], stats[1], stats[2] = resid.size, resid.sum(), (resid * resid).sum()
         drafting = (steps.num_drafts > 0) & (steps.k > 0) & (steps.k <= max_k)
+        if self._budget:
+            drafting &= steps.after_forced()
         al = self._al[steps.k[drafting]]
         ok = np.isfinite(al)
         observed = (steps.accepted[drafting][ok] + steps.num_drafts[drafting][ok]).astype(float)

@@ -74,6 +74,13 @@ class StepColumns:
         after[1:] = forced[:-1]
         return ~(forced | after)
 
+    def after_forced(self) -> NDArray[np.bool_]:
+        """Steps whose verified drafts were proposed at a forced K (the step before was
+        forced): where a budget runs, the only steps every request of which drafted one K."""
+        after = np.zeros_like(self.forced)
+        after[1:] = self.forced[:-1]
+        return after
+
     def select(self, mask: NDArray[np.bool_]) -> StepColumns:
         return StepColumns(*(getattr(self, name)[mask] for name in self.__slots__))
 

@@ -24,12 +24,14 @@ prediction) and an exploration plan (where another K most plausibly beats the ch
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from fitter.budget import budget_from_records
 from fitter.records import Records
 from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
@@ -375,20 +377,25 @@ def fit_table(
     now_ns: int | None = None,
     created_at: str | None = None,
     provenance: Mapping[str, Any] | None = None,
+    budgets: bool = True,
     **fit_options: Any,
 ) -> TableEnvelope:
-    """Fit the surface from a telemetry table and derive its table envelope in one call.
+    """Fit the surface from a telemetry table and derive its table envelope in one call;
+    with `budgets`, records that report n-gram match lengths add a per-request budget
+    (`fitter.budget`).
 
     `fit_options` go to `fitter.surface.fit.fit_surface` (estimator templates, cell
     saturation, latency extrapolation error, dedupe, request context, steps since).
     """
     fit = fit_surface(records, max_k=max_k, max_batch=max_batch, half_life_s=half_life_s,
                       now_ns=now_ns, **fit_options)
-    return derive_envelope(fit, key=key, version=version, max_k=max_k, max_batch=max_batch,
-                           startup_k_values=startup_k_values, tolerance=tolerance,
-                           fewest_ranges=fewest_ranges, merge_z=merge_z,
-                           created_at=created_at,
-                           provenance=provenance)
+    envelope = derive_envelope(fit, key=key, version=version, max_k=max_k,
+                               max_batch=max_batch, startup_k_values=startup_k_values,
+                               tolerance=tolerance, fewest_ranges=fewest_ranges,
+                               merge_z=merge_z, created_at=created_at, provenance=provenance)
+    budget = (budget_from_records(fit, records, max_k=max_k, k_values=startup_k_values)
+              if budgets else None)
+    return envelope if budget is None else replace(envelope, budget=budget).validate()
 
 
 def _mergeable(surface: GoodputSurface, decision: NDArray[np.float64], merge_z: float | None,

@@ -54,7 +54,7 @@ _REGISTRY: dict[str, tuple[PolicyFactory, str]] = {
     "vllm-doc": (_vllm_doc, "vllm-doc"),
     "dsd-goodput": (_no_arg("dsd-goodput", DsdGoodput), "dsd-goodput"),
     "ema-adaptive": (_no_arg("ema-adaptive", EmaAdaptive), "ema-adaptive"),
-    "tabletune": (_tabletune, "tabletune[:explore=S,refit=S,threshold=F]"),
+    "tabletune": (_tabletune, "tabletune[:explore=S,refit=S,threshold=F,budgets=0|1]"),
 }
 
 

@@ -196,8 +196,10 @@ class TabletunePolicy(Policy):
 
 
 def tabletune_policy(arg: str | None) -> Policy:
-    """`tabletune[:explore=SHARE,refit=SECONDS,threshold=FRACTION,reprofile=0|1]`
-    (`make_policy("tabletune...")` calls this)."""
+    """`tabletune[:explore=SHARE,refit=SECONDS,threshold=FRACTION,reprofile=0|1,budgets=0|1]`
+    (`make_policy("tabletune...")` calls this). Budgets are on by default: they apply where
+    the engine reports n-gram match lengths (a trace drafted for real), and `budgets=0` is
+    TableTune's table alone."""
     options: dict[str, float] = {}
     for part in (arg or "").split(","):
         if not part:
@@ -207,7 +209,7 @@ def tabletune_policy(arg: str | None) -> Policy:
             options[name] = float(value)
         except ValueError:
             raise PolicyError(f"tabletune:{arg}: {part!r} is not NAME=NUMBER") from None
-    unknown = set(options) - {"explore", "refit", "threshold", "reprofile"}
+    unknown = set(options) - {"explore", "refit", "threshold", "reprofile", "budgets"}
     if unknown:
         raise PolicyError(f"tabletune: unknown option(s) {sorted(unknown)}")
     config = LoopConfig(
@@ -215,5 +217,6 @@ def tabletune_policy(arg: str | None) -> Policy:
         refit_interval_s=options.get("refit", 30.0),
         guardrail=GuardrailConfig(threshold=options.get("threshold", 0.03)),
         reprofile_on_stale=bool(options.get("reprofile", 1.0)),
+        budgets=bool(options.get("budgets", 1.0)),
     )
     return TabletunePolicy(config)

@@ -49,9 +49,10 @@ class TableFeed:
                                                           limits.max_batch)
         if self.watch is not None:
             watch = self.watch
+            switch = self.core.switch
             self.core.on_applied = lambda version, previous, desired: watch.table_applied(
                 version, previous, desired.surface if desired is not None else None,
-                at_s=clock().timestamp())
+                at_s=clock().timestamp(), budget=switch.budget is not None)
         self.key_bytes = str(limits.key).encode()
         self._next_offsets: dict[int, int] = {}
         """Partition -> the offset after the last message handed to the fold."""

@@ -63,12 +63,15 @@ class EngineWatch:
         self.drift = DriftDetector(max_batch)
         self.rollbacks = 0
 
-    def table_applied(self, version: int, previous: int, surface: Any, at_s: float) -> None:
+    def table_applied(self, version: int, previous: int, surface: Any, at_s: float, *,
+                      budget: bool = False) -> None:
+        """`budget`: the engine runs the envelope's per-request budget (drift then reads
+        only forced steps)."""
         if previous != 0 and version != 0:
             self.guardrail.arm(version, previous, at_s)
         else:
             self.guardrail.disarm()
-        self.drift.set_envelope(version, surface, at_s)
+        self.drift.set_envelope(version, surface, at_s, budget=budget)
 
     def check(self) -> bool:
         """Observe what the engine recorded since the last call; True if it rolled back."""

@@ -26,7 +26,7 @@ class KeyFitter:
     def __init__(self, fit: Fit, limits: EngineLimits, fewest_ranges: bool,
                  decisions: DecisionLog, conflicts: ConflictWatch,
                  merge_z: float | None = None,
-                 knowledge: LatencyKnowledge | None = None) -> None:
+                 knowledge: LatencyKnowledge | None = None, budgets: bool = True) -> None:
         self.fit = fit
         """The fitter itself (a benchmark may wrap it after the loop is built)."""
         self.limits = limits
@@ -37,6 +37,8 @@ class KeyFitter:
         self.decisions = decisions
         self.conflicts = conflicts
         """Leaves conflicting steps out of every fit, counting and reporting them."""
+        self.budgets = budgets
+        """Off: no per-request budget, even from records that report match lengths."""
 
     def __call__(self, records: pa.Table, now_s: float, *, reason: str, version: int,
                  half_life_s: float | None, tolerance: float, k_values: tuple[int, ...],
@@ -47,6 +49,8 @@ class KeyFitter:
         records = self.conflicts.screen(records)
         if self.knowledge is not None and len(self.knowledge.cells):
             fit_options.setdefault("latency_memory", self.knowledge.cells)
+        if not self.budgets:
+            fit_options["budgets"] = False
         try:
             return self.fit(records, key=self.limits.key, max_k=self.limits.max_k,
                             max_batch=self.limits.max_batch, startup_k_values=k_values,

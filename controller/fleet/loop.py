@@ -152,7 +152,8 @@ class ClosedLoop:
         self.knowledge = LatencyKnowledge()
         """The step times the loop's sweeps measured: a load that returns is measured."""
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
-                                self.conflicts, self.config.merge_z, self.knowledge)
+                                self.conflicts, self.config.merge_z, self.knowledge,
+                                budgets=self.config.budgets)
         self.publisher = Publisher(channel, self.agent, limits, startup_table, self.guardrail,
                                    self.drift, self._decisions, issued_by=issued_by)
         self.planner = SweepPlanner(self.config, limits, self.window, self.fitter,
@@ -207,7 +208,8 @@ class ClosedLoop:
             self._next_refit_s = now_s + cfg.refit_interval_s
             desired = self.agent.desired()
             self.drift.set_envelope(self.publisher.active_version,
-                                    None if desired is None else desired.surface, now_s)
+                                    None if desired is None else desired.surface, now_s,
+                                    budget=desired is not None and desired.budget is not None)
             self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version)
             return
         self.planner.start_profile(now_s, cfg.profile_block_s)

@@ -37,6 +37,9 @@ class LoopConfig:
     """How much worse a swapped-in table may run before it is rolled back."""
     drift: DriftConfig = field(default_factory=DriftConfig)
     """When the table in service is called stale."""
+    budgets: bool = True
+    """Fit a per-request budget beside each table where the engines report n-gram match
+    lengths (`fitter.budget`); off: the table alone."""
 
     # ---- tuned constants (docs/TUNING.md) ----
     profile_block_s: float = 2.0

@@ -123,7 +123,8 @@ class Publisher:
         fitted = self.fitted_steps
         self.drift.set_envelope(version, None if desired is None else desired.surface, now_s,
                                 fitted_batch_range=self.fitted_range, confirmed=confirmed,
-                                fit_steps=fitted[1] if fitted and fitted[0] == version else None)
+                                fit_steps=fitted[1] if fitted and fitted[0] == version else None,
+                                budget=desired is not None and desired.budget is not None)
         self.decisions.note(now_s, What.STAGE, version=version, table=table.to_vllm(),
                             watch=watch)
 

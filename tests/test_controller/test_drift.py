@@ -280,3 +280,33 @@ def test_a_reference_is_judged_against_the_fits_own_spread(seed: int) -> None:
     steady = _concat([steps(rng, float(s), 60, batch=32) for s in range(30)])
     assert [r.signal for r in run(steady)][:1] == ["acceptance"]
     assert [r.signal for r in run(None)][:1] == ["acceptance"]
+
+
+def test_under_a_budget_only_steps_of_one_forced_k_speak_for_the_table() -> None:
+    """A budget gives each request its own K, which the table's prediction does not
+    describe: its steps (here accepting far below the table's K) are not drift; a shift
+    that the forced steps show still is."""
+
+    def budget_steps(rng: np.random.Generator, t0: float, *, forced_factor: float) -> StepColumns:
+        part = steps(rng, t0, 60, acceptance_factor=0.6)  # each request at its own, lower K
+        probe = steps(rng, t0 + 0.5, 12, acceptance_factor=forced_factor)
+        probe.forced[:] = True
+        return _concat([part, probe])
+
+    for budget, expected in ((True, []), (False, ["acceptance"])):
+        rng = np.random.default_rng(3)
+        detector = DriftDetector(max_batch=128, config=DriftConfig())
+        detector.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48),
+                              budget=budget)
+        reports = [detector.observe(budget_steps(rng, float(s), forced_factor=1.0))
+                   for s in range(0, 90)]
+        assert [r.signal for r in reports if r is not None][:1] == expected
+    rng = np.random.default_rng(4)
+    detector = DriftDetector(max_batch=128, config=DriftConfig())
+    detector.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48), budget=True)
+    quiet = [detector.observe(budget_steps(rng, float(s), forced_factor=1.0))
+             for s in range(0, 40)]
+    shifted = [detector.observe(budget_steps(rng, float(s), forced_factor=1.4))
+               for s in range(40, 120)]
+    assert all(r is None for r in quiet)
+    assert [r.signal for r in shifted if r is not None][:1] == ["acceptance"]

@@ -159,18 +159,23 @@ def test_telemetry_splits_each_step_by_match_length(tmp_path):
     assert {1, 2, 3} <= seen  # (five token ids: every position matches a 1-gram)
 
 
-def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
-    """Telemetry at one K -> the surface and acceptance by match length -> a budget that
-    drafts long matches at least as deep as short ones, within the engine's K."""
-    rng = np.random.default_rng(11)
+def copying_trace(path: Path, seed: int = 11) -> Path:
+    """Requests that copy a cycle with one token in eight replaced: a long n-gram match
+    predicts the next tokens better than a short one."""
+    rng = np.random.default_rng(seed)
     cycle = rng.integers(0, 50, 12).tolist()
 
-    def noisy_copy(length: int) -> list[int]:  # the cycle, one token in eight replaced
+    def noisy_copy(length: int) -> list[int]:
         tokens = (cycle * (length // len(cycle) + 1))[:length]
         return [int(rng.integers(50, 60)) if rng.random() < 0.125 else t for t in tokens]
 
-    rows = [(noisy_copy(48), noisy_copy(200)) for _ in range(24)]
-    trace = write_trace(tmp_path / "copying.jsonl", rows)
+    return write_trace(path, [(noisy_copy(48), noisy_copy(200)) for _ in range(24)])
+
+
+def test_a_budget_is_fitted_from_the_twins_telemetry(tmp_path):
+    """Telemetry at one K -> the surface and acceptance by match length -> a budget that
+    drafts long matches at least as deep as short ones, within the engine's K."""
+    trace = copying_trace(tmp_path / "copying.jsonl")
     scenario = Scenario(seed=4, drafter=DrafterConfig(method="ngram", prompt_lookup_min=1,
                                                       prompt_lookup_max=3),
                         phases=(PhaseConfig(duration_s=60.0, concurrency=32,
@@ -217,3 +222,22 @@ def test_a_refit_on_telemetry_with_match_lengths_carries_a_budget(tmp_path):
     assert envelope.budget == budget
     recorded = records(DrafterConfig(method="ngram"), "recorded")
     assert decide_refit(recorded, None, max_batch=64, half_life_s=None).envelope.budget is None
+
+
+def test_the_closed_loop_runs_a_budget_and_a_steady_load_stays_fresh(tmp_path):
+    """`tabletune` in memory on a looked-up n-gram key: the envelopes it publishes carry a
+    budget the engine runs, and the budget's own steps (each request at its own K) do not
+    make the table look stale; `budgets=0` runs the table alone."""
+    trace = copying_trace(tmp_path / "copying.jsonl")
+    scenario = Scenario(seed=3, drafter=DrafterConfig(method="ngram", prompt_lookup_min=1,
+                                                      prompt_lookup_max=3),
+                        phases=(PhaseConfig(duration_s=240.0, concurrency=32,
+                                            trace=str(trace)),))
+    engine, _, policy = build_engine(scenario, "tabletune")
+    engine.run(policy)
+    assert engine.switch.budget is not None and engine.switch.version >= 1
+    whats = [str(decision.what) for decision in policy.loop.decisions]
+    assert "stale" not in whats, whats
+    alone, _, table_only = build_engine(scenario, "tabletune:budgets=0")
+    alone.run(table_only)
+    assert alone.switch.budget is None and alone.switch.version >= 1

@@ -126,6 +126,11 @@ def _operator_settings(serve: argparse.ArgumentParser) -> None:
                        "that transport lag never ends one early, so short that the engines "
                        "of a service killed mid-sweep are soon free (default "
                        f"{loop.force_grace_s:g})")
+    group.add_argument("--budgets", action=argparse.BooleanOptionalAction,
+                       default=loop.budgets,
+                       help="fit a per-request draft budget (K by n-gram match length) beside "
+                       "each table where the engines report match lengths; engines that do "
+                       "not run the table alone (default on)")
     group.add_argument("--engine-idle-s", type=POSITIVE, default=loop.engine_idle_s,
                        help="an engine without steps for this many seconds has left its key "
                        f"and is no canary (default {loop.engine_idle_s:g})")

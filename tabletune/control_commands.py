@@ -41,6 +41,8 @@ def run_control_service(args: argparse.Namespace) -> int:
     check_tables_topic(settings)  # a compacted or expiring log folds to another state
     # the service's decisions are its output: one INFO line each on stderr, and to FILE
     loop_log.setLevel(logging.INFO)
+    print(f"budgets: {'on' if loop_config.budgets else 'off'} (where engines report n-gram "
+          "match lengths)", file=sys.stderr)
     writer = None if args.decisions is None else decision_file_handler(args.decisions)
     if writer is not None:
         loop_log.addHandler(writer)
@@ -70,7 +72,7 @@ def run_control_service(args: argparse.Namespace) -> int:
                       "send_errors": sum(c.errors for c in runner.channels.values()),
                       "unsent": sum(c.unsent for c in runner.channels.values()),
                       "dropped_unsent": sum(c.dropped for c in runner.channels.values()),
-                      "fenced_unsent": runner.fenced,
+                      "fenced_unsent": runner.fenced, "budgets": loop_config.budgets,
                       "keys": served, **_cpu(started)}))
     return 0
 
@@ -82,7 +84,7 @@ def loop_config_of(args: argparse.Namespace) -> LoopConfig:
     return replace(
         loop, refit_interval_s=args.refit_s, reprofile_on_stale=args.reprofile_on_stale,
         canary_share=args.canary_share, force_grace_s=args.force_grace_s,
-        engine_idle_s=args.engine_idle_s,
+        engine_idle_s=args.engine_idle_s, budgets=args.budgets,
         guardrail=replace(loop.guardrail, threshold=args.guardrail_threshold),
         drift=replace(loop.drift, acceptance_threshold=args.drift_acceptance_threshold))
 

@@ -107,8 +107,9 @@ def test_control_flags_reach_the_loop_config():
     args = build_parser().parse_args([
         "control", "--refit-s", "45", "--no-reprofile-on-stale", "--canary-share", "0.5",
         "--force-grace-s", "20", "--engine-idle-s", "15", "--guardrail-threshold", "0.05",
-        "--drift-acceptance-threshold", "0.2"])
+        "--drift-acceptance-threshold", "0.2", "--no-budgets"])
     config = loop_config_of(args)
+    assert config.budgets is False
     assert (config.refit_interval_s, config.reprofile_on_stale, config.canary_share,
             config.force_grace_s, config.engine_idle_s) == (45.0, False, 0.5, 20.0, 15.0)
     assert config.guardrail.threshold == 0.05 and config.drift.acceptance_threshold == 0.2

@@ -107,7 +107,8 @@ class TableTuneHook:
                           {"engine_id": identity.engine_id})
         except (OSError, ValueError) as exc:  # a taken port must not cost the engine its telemetry
             log.error("TableTune metrics endpoint not started: %s", exc)
-        log.info("TableTune telemetry for %s -> %s (table switch: %s)", identity.engine_id,
+        log.info("TableTune telemetry for %s -> %s (table switch: %s; budgets: off, vLLM's "
+                 "proposers report no n-gram match length: tables apply)", identity.engine_id,
                  sink_url, "on" if self._tt_switch else "off, no startup table")
 
     # ---- the table switch -----------------------------------------------------------------

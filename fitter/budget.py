@@ -38,6 +38,9 @@ only keeps a tie from cycling."""
 PRIOR_MEAN, PRIOR_STRENGTH, EXTRAPOLATION_DECAY = 0.6, 8.0, 0.95
 """The acceptance model's priors (`fitter.surface.acceptance.AcceptanceModel`'s defaults):
 a length's unmeasured positions are judged as the pooled model judges them."""
+MERGE_LOSS = 0.005
+"""A batch size keeps its lower neighbour's K by length when that is predicted to cost it
+under this share of goodput: a budget reads as a few ranges, not one per batch size."""
 LATENCY_FLOOR_S = 1e-6
 """A fitted step latency is positive; the floor only keeps a ratio finite."""
 
@@ -94,8 +97,8 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
     `cap_by_batch[B]`: the table's K at B (index 0 unused). `conditional_by_length[m]`:
     conditional acceptance per position of requests whose lookup matched m tokens, for
     m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
-    K an engine can run (its startup set; default all). Batch sizes with the same K by
-    length merge into one range."""
+    K an engine can run (its startup set; default all). A batch size joins the range below
+    it when that range's K by length is predicted within `MERGE_LOSS` of its own best."""
     shares = np.asarray(share, dtype=np.float64)
     if shares.ndim != 1 or shares.size != len(conditional_by_length) or shares.size < 2:
         raise ValueError("share and conditional_by_length need one entry per match length "
@@ -105,15 +108,27 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
     max_cap = max(int(k) for k in cap_by_batch[1:])
     lengths = np.stack([acceptance_lengths(c, max_cap) for c in conditional_by_length])
     ranges: list[tuple[int, int, tuple[int, ...]]] = []
+    held: tuple[int, ...] | None = None  # the open range's K for every length 0..M
     for batch_size in range(1, len(cap_by_batch)):
         cap = int(cap_by_batch[batch_size])
-        ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency,
-                     k_values)[min_match:]
-        if ranges and ranges[-1][2] == ks:
-            ranges[-1] = (ranges[-1][0], batch_size, ks)
-        else:
-            ranges.append((batch_size, batch_size, ks))
+        ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency, k_values)
+        if held is not None and max(held) <= cap and (
+                goodput(batch_size, held, lengths, shares, latency)
+                >= (1.0 - MERGE_LOSS) * goodput(batch_size, ks, lengths, shares, latency)):
+            ranges[-1] = (ranges[-1][0], batch_size, ranges[-1][2])
+            continue
+        held = ks
+        ranges.append((batch_size, batch_size, ks[min_match:]))
     return DraftBudget(min_match=min_match, ranges=tuple(ranges))
+
+
+def goodput(batch_size: int, ks: Sequence[int], lengths: NDArray[np.float64],
+            share: NDArray[np.float64], latency: LatencyFn) -> float:
+    """Predicted tokens/s at one batch size when match length m drafts `ks[m]`."""
+    chosen = np.asarray(ks, dtype=np.int64)
+    tokens = float(share @ lengths[np.arange(share.size), chosen])
+    seconds = float(latency(batch_size, np.array([float(share @ chosen)]))[0])
+    return batch_size * tokens / seconds
 
 
 @dataclass(frozen=True, slots=True)

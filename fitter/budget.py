@@ -28,6 +28,7 @@ from fitter.surface.acceptance import beta_posteriors
 from fitter.surface.fit import SurfaceFit
 from fitter.surface.latency import decode_matrix
 from schemas.draft_budget import MAX_MATCH_LENGTHS, DraftBudget
+from schemas.draft_table import DraftTable
 
 LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 """T(B, mean drafts per decode request) in seconds, vectorised over the mean drafts."""
@@ -38,6 +39,10 @@ only keeps a tie from cycling."""
 PRIOR_MEAN, PRIOR_STRENGTH, EXTRAPOLATION_DECAY = 0.6, 8.0, 0.95
 """The acceptance model's priors (`fitter.surface.acceptance.AcceptanceModel`'s defaults):
 a length's unmeasured positions are judged as the pooled model judges them."""
+MIN_GAIN = 0.01
+"""A budget departs from the table's K at a batch size only where it is predicted to gain
+more than this: the latency fit prices mean drafts it never measured, and a budget that
+gains less is within its error (GSM8K, lookup 1..4: -0.3 to -0.5% at some loads without)."""
 MERGE_LOSS = 0.005
 """A batch size keeps its lower neighbour's K by length when that is predicted to cost it
 under this share of goodput: a budget reads as a few ranges, not one per batch size."""
@@ -91,14 +96,18 @@ def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
 
 def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[ArrayLike],
                   share: ArrayLike, latency: LatencyFn, *, min_match: int = 1,
-                  k_values: Sequence[int] | None = None) -> DraftBudget:
+                  k_values: Sequence[int] | None = None,
+                  table_by_batch: Sequence[int] | None = None,
+                  min_gain: float = MIN_GAIN) -> DraftBudget:
     """The goodput-maximising budget for batch sizes 1..len(cap_by_batch) - 1.
 
     `cap_by_batch[B]`: the table's K at B (index 0 unused). `conditional_by_length[m]`:
     conditional acceptance per position of requests whose lookup matched m tokens, for
     m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
-    K an engine can run (its startup set; default all). A batch size joins the range below
-    it when that range's K by length is predicted within `MERGE_LOSS` of its own best."""
+    K an engine can run (its startup set; default all). `table_by_batch[B]`: the table's K,
+    which every matched request drafts at B unless the best K by length is predicted to
+    beat it by more than `min_gain`. A batch size joins the range below it when that
+    range's K by length is predicted within `MERGE_LOSS` of its own choice."""
     shares = np.asarray(share, dtype=np.float64)
     if shares.ndim != 1 or shares.size != len(conditional_by_length) or shares.size < 2:
         raise ValueError("share and conditional_by_length need one entry per match length "
@@ -112,6 +121,13 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
     for batch_size in range(1, len(cap_by_batch)):
         cap = int(cap_by_batch[batch_size])
         ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency, k_values)
+        if table_by_batch is not None:
+            table_k = min(int(table_by_batch[batch_size]), cap)
+            uniform = (0,) + (table_k,) * (shares.size - 1)
+            if (goodput(batch_size, ks, lengths, shares, latency)
+                    <= (1.0 + min_gain) * goodput(batch_size, uniform, lengths, shares,
+                                                  latency)):
+                ks = uniform
         if held is not None and max(held) <= cap and (
                 goodput(batch_size, held, lengths, shares, latency)
                 >= (1.0 - MERGE_LOSS) * goodput(batch_size, ks, lengths, shares, latency)):
@@ -177,11 +193,13 @@ def match_statistics(records: Records, *, n_positions: int, max_match: int,
 
 
 def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
-               min_match: int, k_values: Sequence[int] | None = None) -> DraftBudget:
+               min_match: int, k_values: Sequence[int] | None = None,
+               table: DraftTable | None = None) -> DraftBudget:
     """The budget `derive_budget` gives with the surface's step-latency model, each match
     length's K within the engine's startup `max_k`. A step of B decode requests drafting d
     tokens each on average is priced as the model prices B requests at `max_k` with
-    d / max_k of the draft slots filled, at the context the surface holds for B."""
+    d / max_k of the draft slots filled, at the context the surface holds for B. With
+    `table`, the budget keeps the table's K where it is not predicted to gain `MIN_GAIN`."""
     cap = [max_k] * (surface.max_batch + 1)
     context = surface.context_tokens
 
@@ -191,11 +209,14 @@ def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
         return np.maximum(surface.latency.predict(rows), LATENCY_FLOOR_S)
 
     return derive_budget(cap, list(statistics.conditional), statistics.share, latency,
-                         min_match=min_match, k_values=k_values)
+                         min_match=min_match, k_values=k_values,
+                         table_by_batch=None if table is None
+                         else table.to_dense(surface.max_batch))
 
 
 def budget_from_records(surface: SurfaceFit, records: Records, *, max_k: int,
-                        k_values: Sequence[int] | None = None) -> DraftBudget | None:
+                        k_values: Sequence[int] | None = None,
+                        table: DraftTable | None = None) -> DraftBudget | None:
     """The fitted budget when the records report match lengths, else None. The lengths
     run from the shortest match seen (prompt_lookup_min: shorter n-grams are never
     matched) to the longest; a longer one takes the last K."""
@@ -209,5 +230,5 @@ def budget_from_records(surface: SurfaceFit, records: Records, *, max_k: int,
         return None
     max_match = min(int(matched.max()), MAX_MATCH_LENGTHS)  # type: ignore[arg-type]
     statistics = match_statistics(frame, n_positions=max_k, max_match=max_match)
-    return fit_budget(surface, statistics, max_k=max_k, k_values=k_values,
+    return fit_budget(surface, statistics, max_k=max_k, k_values=k_values, table=table,
                       min_match=int(matched.min()))  # type: ignore[arg-type]

@@ -393,8 +393,8 @@ def fit_table(
                                max_batch=max_batch, startup_k_values=startup_k_values,
                                tolerance=tolerance, fewest_ranges=fewest_ranges,
                                merge_z=merge_z, created_at=created_at, provenance=provenance)
-    budget = (budget_from_records(fit, records, max_k=max_k, k_values=startup_k_values)
-              if budgets else None)
+    budget = (budget_from_records(fit, records, max_k=max_k, k_values=startup_k_values,
+                                  table=envelope.table) if budgets else None)
     return envelope if budget is None else replace(envelope, budget=budget).validate()
 
 

@@ -150,7 +150,8 @@ def decide_refit(
         fit, key=key, version=base + 1, max_k=max_k, max_batch=max_batch,
         startup_k_values=startup_k_values, tolerance=tolerance, created_at=created_at,
         provenance={"source": "refit", "stale": stale, **screened, **dict(provenance or {})})
-    budget = budget_from_records(fit, frame, max_k=max_k, k_values=startup_k_values)
+    budget = budget_from_records(fit, frame, max_k=max_k, k_values=startup_k_values,
+                                 table=candidate.table)
     if budget is not None:
         candidate = dataclasses.replace(candidate, budget=budget).validate()
     if current is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fitter.budget import acceptance_lengths, best_ks, derive_budget
+from fitter.budget import acceptance_lengths, best_ks, derive_budget, goodput
 
 STEP_FIXED_S = 0.01
 PER_TOKEN_S = 2e-4
@@ -58,3 +58,26 @@ def test_the_table_caps_the_budget_and_bad_shapes_are_refused():
         derive_budget([0, 2], conditional, [1.0], linear_latency)
     with pytest.raises(ValueError, match="min_match"):
         derive_budget([0, 2], conditional, share, linear_latency, min_match=2)
+
+
+def test_the_table_stands_where_a_budget_would_gain_too_little():
+    """Two lengths that accept almost alike: against the best uniform K at each batch size
+    (the table), K by length gains less than MIN_GAIN, so the budget drafts the table's
+    K; with lengths far apart it departs from it."""
+
+    def best_uniform(conditional: list[list[float]], share: list[float]) -> list[int]:
+        lengths = np.stack([acceptance_lengths(c, 7) for c in conditional])
+        rates = np.asarray(share)
+        return [0] + [max(range(8), key=lambda k, b=b: goodput(
+            b, (0,) + (k,) * (len(share) - 1), lengths, rates, linear_latency))
+            for b in range(1, 65)]
+
+    alike, share = [[0.0], [0.70], [0.72]], [0.1, 0.45, 0.45]
+    table = best_uniform(alike, share)
+    budget = derive_budget([0] + [7] * 64, alike, share, linear_latency, table_by_batch=table)
+    for start, _, ks in budget.ranges:
+        assert ks == (table[start],) * 2  # one K for both lengths: the table's
+    apart = [[0.0], [0.1], [0.97]]
+    table = best_uniform(apart, share)
+    budget = derive_budget([0] + [7] * 64, apart, share, linear_latency, table_by_batch=table)
+    assert budget.k_by_match(64, max_match=2) != (0, table[64], table[64])

@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.bounds import Bound, at_least, in_range, positive
+from schemas.draft_budget import MAX_MATCH_LENGTHS
 
 DRAFT_METHODS = ("eagle", "ngram", "draft_model")
+MAX_LOOKUP_N = MAX_MATCH_LENGTHS
+"""Longest n-gram prompt lookup may match: a budget keys on at most this many lengths."""
 
 
 class ScenarioError(ValueError):
@@ -150,8 +153,9 @@ class DrafterConfig:
                                           f"got {self.method!r}")
         _fraction("ngram_match_prob", self.ngram_match_prob)
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 1)
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= MAX_LOOKUP_N:
+                raise ScenarioError(name, f"must be within 1..{MAX_LOOKUP_N}, got {value}")
         if self.prompt_lookup_min is not None and self.prompt_lookup_max is None:
             raise ScenarioError("prompt_lookup_min", "needs prompt_lookup_max (it turns "
                                                      "prompt lookup on)")

@@ -17,8 +17,10 @@ the report's fields so the fitter refits. Three signals, each with its magnitude
 
 Where the active envelope carries a per-request budget, the engines draft each request its
 own K, which the table's predictions do not describe: latency and acceptance then read only
-the steps that verified and proposed one forced K for all (probes and sweeps; exploration
-keeps them coming).
+steps whose drafts were proposed at one forced K for all (acceptance: the step after each
+exploration probe; latency: runs of forced steps, which exploration's single-step probes do
+not make). Under a budget, latency drift is therefore not watched, and acceptance drift
+only from probes; coverage and the periodic refits carry the rest.
 
 A signal fires when, over the sliding window, its magnitude passes its threshold and its
 z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.

@@ -17,7 +17,7 @@ length: the table stays the budget's bound.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import polars as pl
@@ -28,7 +28,8 @@ from fitter.surface.acceptance import beta_posteriors
 from fitter.surface.fit import SurfaceFit
 from fitter.surface.latency import decode_matrix
 from schemas.draft_budget import MAX_MATCH_LENGTHS, DraftBudget
-from schemas.draft_table import DraftTable
+from schemas.draft_table import DraftTable, TableError
+from schemas.envelope import TableEnvelope
 
 LatencyFn = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 """T(B, mean drafts per decode request) in seconds, vectorised over the mean drafts."""
@@ -64,12 +65,15 @@ def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
             share: NDArray[np.float64], latency: LatencyFn,
             k_values: Sequence[int] | None = None) -> tuple[int, ...]:
     """K per match length 0..M at one batch size, among `k_values` (default 0..cap) up to
-    `cap`. `lengths[m, K]` is AL_m(K) for K = 0..cap (row 0, no match, is ignored: it
-    never drafts); `share[m]` the share of decode requests whose lookup matched m tokens."""
+    `cap` (a length drafts no K outside them, 0 included). `lengths[m, K]` is AL_m(K) for
+    K = 0..cap (row 0, no match, is ignored: it never drafts); `share[m]` the share of
+    decode requests whose lookup matched m tokens."""
     n_lengths = share.size
-    candidates = np.array(sorted({int(k) for k in (k_values if k_values is not None
-                                                   else range(cap + 1)) if 0 <= k <= cap}
-                                 | {0}), dtype=np.int64)
+    allowed = sorted({int(k) for k in (k_values if k_values is not None else range(cap + 1))
+                      if 0 <= k <= cap})
+    if not allowed:
+        raise ValueError(f"no K of {sorted(k_values or ())} is within 0..{cap}")
+    candidates = np.array(allowed, dtype=np.int64)
     ks = np.full(n_lengths, candidates[-1], dtype=np.int64)
     ks[0] = 0
     rows = np.arange(n_lengths)
@@ -101,7 +105,7 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
                   min_gain: float = MIN_GAIN) -> DraftBudget:
     """The goodput-maximising budget for batch sizes 1..len(cap_by_batch) - 1.
 
-    `cap_by_batch[B]`: the table's K at B (index 0 unused). `conditional_by_length[m]`:
+    `cap_by_batch[B]`: the largest K at B (index 0 unused; the engine's startup K). `conditional_by_length[m]`:
     conditional acceptance per position of requests whose lookup matched m tokens, for
     m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
     K an engine can run (its startup set; default all). `table_by_batch[B]`: the table's K,
@@ -229,6 +233,17 @@ def budget_from_records(surface: SurfaceFit, records: Records, *, max_k: int,
     if matched.len() == 0:
         return None
     max_match = min(int(matched.max()), MAX_MATCH_LENGTHS)  # type: ignore[arg-type]
+    min_match = min(int(matched.min()), max_match)  # type: ignore[arg-type]
     statistics = match_statistics(frame, n_positions=max_k, max_match=max_match)
     return fit_budget(surface, statistics, max_k=max_k, k_values=k_values, table=table,
-                      min_match=int(matched.min()))  # type: ignore[arg-type]
+                      min_match=min_match)
+
+
+def with_budget(envelope: TableEnvelope, budget: DraftBudget) -> TableEnvelope:
+    """`envelope` carrying `budget`; without it, and saying why in its provenance, when the
+    budget does not validate against the envelope (a K outside its startup set): a budget
+    must never cost a key its table."""
+    try:
+        return replace(envelope, budget=budget).validate()
+    except TableError as exc:
+        return replace(envelope, provenance={**envelope.provenance, "budget_refused": str(exc)})

@@ -24,14 +24,13 @@ prediction) and an exploration plan (where another K most plausibly beats the ch
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from fitter.budget import budget_from_records
+from fitter.budget import budget_from_records, with_budget
 from fitter.records import Records
 from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
@@ -395,7 +394,7 @@ def fit_table(
                                merge_z=merge_z, created_at=created_at, provenance=provenance)
     budget = (budget_from_records(fit, records, max_k=max_k, k_values=startup_k_values,
                                   table=envelope.table) if budgets else None)
-    return envelope if budget is None else replace(envelope, budget=budget).validate()
+    return envelope if budget is None else with_budget(envelope, budget)
 
 
 def _mergeable(surface: GoodputSurface, decision: NDArray[np.float64], merge_z: float | None,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from fitter.budget import budget_from_records
+from fitter.budget import budget_from_records, with_budget
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.engine_consensus import Screening, screen
 from fitter.records import Records, as_frame
@@ -153,7 +153,7 @@ def decide_refit(
     budget = budget_from_records(fit, frame, max_k=max_k, k_values=startup_k_values,
                                  table=candidate.table)
     if budget is not None:
-        candidate = dataclasses.replace(candidate, budget=budget).validate()
+        candidate = with_budget(candidate, budget)
     if current is None:
         return RefitDecision(candidate, True, "no current table", None, threshold, None, stale,
                              screening)

@@ -11,7 +11,7 @@ and a request without a match drafts nothing, as in vLLM.
 A budget travels with a draft table and stands beside it: an engine whose drafter reports
 match lengths runs the budget, any other runs the table (which is also what vLLM's own
 config takes), so each gets the best policy it can run. Forced steps (a profile, a probe)
-run the table's K for everyone. Ranges cover 1..max_batch like a table's, and no K exceeds
+run their forced K for everyone. Ranges cover 1..max_batch like a table's, and no K exceeds
 the engine's startup maximum.
 """
 

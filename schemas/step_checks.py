@@ -196,46 +196,64 @@ def _checks(c: _Columns, now_ns: int | None, max_future_s: float) -> Iterator[_C
     yield from _finite("inter_step_s", c, lambda v: v >= 0, "must be finite and >= 0")
     if c.has("finished_requests"):
         segments, parents, _ = c.flat("finished_requests")
-        bad = np.zeros(len(segments), dtype=bool)
+        bad = _nulls(segments)
         if len(segments):
-            segment = segments.field("segment").to_numpy()
+            segment = _ints(segments, "segment", bad)
             bad |= (segment < 0) | (segment >= REQUEST_SEGMENTS)
             for name in ("request", "decode_steps", "drafting_steps", "tokens",
                          "context_tokens"):
-                bad |= segments.field(name).to_numpy() < 0
+                bad |= _ints(segments, name, bad) < 0
         yield ("finished_requests", f"must have segments within 0..{REQUEST_SEGMENTS - 1} "
                "and counts >= 0", rows_of(parents, bad), None)
     if c.has("by_match_length", "num_decode_reqs"):
-        lengths_, parents, _ = c.flat("by_match_length")
-        bad = np.zeros(len(lengths_), dtype=bool)
-        if len(lengths_):
-            length = lengths_.field("match_length").to_numpy()
-            requests = lengths_.field("requests").to_numpy().astype(np.int64)
-            bad |= (length < 0) | (length > MAX_MATCH_LENGTHS)
-            bad |= (requests < 0) | (requests > c["num_decode_reqs"][parents])
-            bad |= lengths_.field("draft_tokens").to_numpy() < 0
-            bad |= _bad_position_counts(lengths_, requests)
+        parts, parents, _ = c.flat("by_match_length")
+        decode = c["num_decode_reqs"].astype(np.int64)
+        bad = _bad_match_lengths(parts, parents, decode) if len(parts) else np.zeros(0, bool)
         yield ("by_match_length", f"must have match lengths within 0..{MAX_MATCH_LENGTHS}, "
-               "requests within 0..num_decode_reqs, and per position at most "
-               f"{MAX_K} counts with 0 <= accepted <= reached <= requests",
-               rows_of(parents, bad), None)
+               "requests adding up to at most num_decode_reqs, at most "
+               f"{MAX_K} drafts each, and per position at most {MAX_K} counts with "
+               "0 <= accepted <= reached <= requests", rows_of(parents, bad), None)
 
 
-def _bad_position_counts(rows: pa.StructArray, requests: np.ndarray) -> np.ndarray:
-    """Per row: a position list longer than MAX_K, of another length than its partner, or
-    counts outside 0 <= accepted <= reached <= requests."""
-    bad = np.zeros(len(rows), dtype=bool)
-    reached_col, accepted_col = rows.field("reached_per_pos"), rows.field("accepted_per_pos")
-    reached_len = pc.list_value_length(reached_col).to_numpy(zero_copy_only=False)
-    accepted_len = pc.list_value_length(accepted_col).to_numpy(zero_copy_only=False)
-    bad |= (reached_len > MAX_K) | (reached_len != accepted_len)
-    if bad.all():
-        return bad
-    reached = reached_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    accepted = accepted_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    owner = pc.list_parent_indices(reached_col).to_numpy()
-    if len(reached) == len(accepted):
-        wrong = (accepted < 0) | (accepted > reached) | (reached > requests[owner])
+def _nulls(structs: pa.Array) -> np.ndarray:
+    """Entries that are null themselves (their fields say nothing)."""
+    return structs.is_null().to_numpy(zero_copy_only=False).copy()
+
+
+def _ints(structs: pa.StructArray, name: str, bad: np.ndarray) -> np.ndarray:
+    """A struct field as int64; a null value marks its entry in `bad` (and reads as 0)."""
+    column = structs.field(name)
+    bad |= column.is_null().to_numpy(zero_copy_only=False)
+    return pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _bad_match_lengths(parts: pa.StructArray, parents: np.ndarray,
+                       decode: np.ndarray) -> np.ndarray:
+    """Per `by_match_length` entry: whether it breaks a bound (see `_checks`); a step whose
+    entries' requests add up to more than its decode requests has all of them charged."""
+    bad = _nulls(parts)
+    length = _ints(parts, "match_length", bad)
+    requests = _ints(parts, "requests", bad)
+    drafts = _ints(parts, "draft_tokens", bad)
+    bad |= (length < 0) | (length > MAX_MATCH_LENGTHS) | (requests < 0)
+    bad |= (drafts < 0) | (drafts > requests * MAX_K)
+    total = np.bincount(parents, weights=np.maximum(requests, 0), minlength=len(decode))
+    bad |= total[parents] > decode[parents]
+    reached, accepted = parts.field("reached_per_pos"), parts.field("accepted_per_pos")
+    sizes = []
+    for column in (reached, accepted):
+        bad |= column.is_null().to_numpy(zero_copy_only=False)
+        sizes.append(pc.fill_null(pc.list_value_length(column), 0)
+                     .to_numpy(zero_copy_only=False))
+    bad |= (sizes[0] != sizes[1]) | (sizes[0] > MAX_K)
+    aligned = np.flatnonzero(~bad)  # equal lengths: their values pair up one to one
+    if len(aligned):
+        index = pa.array(aligned)
+        pairs = [pc.fill_null(column.take(index).flatten(), -1).to_numpy(zero_copy_only=False)
+                 .astype(np.int64) for column in (reached, accepted)]
+        owner = aligned[pc.list_parent_indices(reached.take(index)).to_numpy()]
+        wrong = ((pairs[1] < 0) | (pairs[1] > pairs[0])
+                 | (pairs[0] > requests[owner]))
         bad[owner[wrong]] = True
     return bad
 

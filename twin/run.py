@@ -67,7 +67,8 @@ def build_engine(scenario: Scenario | str | Path, policy: Policy | str, *,
     limits = scenario.engine
     table, version = chosen.initial_table(max_k=limits.max_k, max_batch=limits.max_num_seqs)
     lookup = scenario.drafter.prompt_lookup
-    budget = chosen.initial_budget()
+    # a drafter that reports no match length runs the table alone, as an engine's feed does
+    budget = chosen.initial_budget() if lookup else None
     try:
         switch = TableSwitch(table, max_k=limits.max_k, max_batch=limits.max_num_seqs,
                              version=version, max_match=lookup[1] if lookup else 0,

@@ -49,10 +49,11 @@ class TableFeed:
                                                           limits.max_batch)
         if self.watch is not None:
             watch = self.watch
-            switch = self.core.switch
+            runs_budgets = bool(self.core.switch.max_match)
             self.core.on_applied = lambda version, previous, desired: watch.table_applied(
                 version, previous, desired.surface if desired is not None else None,
-                at_s=clock().timestamp(), budget=switch.budget is not None)
+                at_s=clock().timestamp(),
+                budget=runs_budgets and desired is not None and desired.budget is not None)
         self.key_bytes = str(limits.key).encode()
         self._next_offsets: dict[int, int] = {}
         """Partition -> the offset after the last message handed to the fold."""

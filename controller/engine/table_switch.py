@@ -2,7 +2,7 @@
 
 Writers (the controller's consumer thread, a profiler) call `stage()` off the engine thread;
 the engine calls `apply_staged()` at the start of a step. Staging is one attribute store of an
-immutable object, and applying is one load and two stores, so neither side takes a lock and
+immutable object, and applying is one load and a few stores, so neither side takes a lock and
 the engine never sees a half-built table (prometheus_client's copy-a-reference pattern).
 """
 

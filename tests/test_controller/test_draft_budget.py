@@ -1,4 +1,4 @@
-"""Per-request draft budgets: parsing, checks against an engine, the table as their cap."""
+"""Per-request draft budgets: parsing, checks against an engine, staging beside a table."""
 
 from __future__ import annotations
 

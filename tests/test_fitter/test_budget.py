@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fitter.budget import acceptance_lengths, best_ks, derive_budget, goodput
+from fitter.budget import acceptance_lengths, best_ks, derive_budget, goodput, with_budget
+from schemas import DraftTable, TableEnvelope, TableKey
+from schemas.draft_budget import DraftBudget
 
 STEP_FIXED_S = 0.01
 PER_TOKEN_S = 2e-4
@@ -81,3 +83,17 @@ def test_the_table_stands_where_a_budget_would_gain_too_little():
     table = best_uniform(apart, share)
     budget = derive_budget([0] + [7] * 64, apart, share, linear_latency, table_by_batch=table)
     assert budget.k_by_match(64, max_match=2) != (0, table[64], table[64])
+
+
+def test_a_budget_uses_only_the_engines_k_values_and_never_costs_the_table():
+    budget = derive_budget([0] + [7] * 256, [[0.0], [0.05], [0.97]], [0.1, 0.45, 0.45],
+                           linear_latency, k_values=(2, 4, 7))
+    assert {k for _, _, ks in budget.ranges for k in ks} <= {2, 4, 7}
+    envelope = TableEnvelope(key=TableKey("m", "ngram", "h100"), version=1,
+                             table=DraftTable.from_vllm([[1, 256, 2]]),
+                             startup_k_values=(2, 4, 7), max_batch=256,
+                             created_at="2026-12-05T00:00:00Z")
+    outside = DraftBudget(min_match=1, ranges=((1, 256, (0, 7)),))
+    kept = with_budget(envelope, outside)
+    assert kept.budget is None and "budget_refused" in kept.provenance
+    assert with_budget(envelope, budget).budget == budget

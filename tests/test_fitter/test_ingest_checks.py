@@ -10,6 +10,7 @@ import math
 import time
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -158,3 +159,26 @@ def test_a_frame_of_good_and_bad_rows_writes_the_good_and_dead_letters_the_bad(
     again = Ingestor(settings, IngestConfig(out_dir=tmp_path / "parquet", group_id=unique_name,
                                             until_idle_s=1.0)).run()
     assert again.records == again.dlq == 0  # the offsets were committed past all three frames
+
+
+def test_malformed_match_length_entries_are_charged_to_their_own_rows_without_a_crash():
+    """Nulls inside entries, position lists of unequal length, and a step whose entries add
+    up to more requests than it decoded: each bad row dead-lettered, the good ones kept."""
+    records = sample_records(6, engine_id="nested")
+    good = _by_match(1, requests=1, reached=[1, 1], accepted=[1, 0])
+    rows = [
+        [good],                                                           # 0: good
+        [{**good, "accepted_per_pos": [1]}],                              # 1: unequal lists
+        [good],                                                           # 2: good
+        [{**good, "reached_per_pos": [1], "accepted_per_pos": [1, 1, 1]}],  # 3: unequal
+        [{**good, "match_length": None}],                                 # 4: a null
+        [good] * 3,                                                       # 5: 3 > 2 decoded
+    ]
+    records = [dataclasses.replace(r, num_decode_reqs=2) for r in records]
+    table = records_to_table(records)
+    column = pa.array(rows, type=table.schema.field("by_match_length").type)
+    table = table.set_column(table.schema.get_field_index("by_match_length"),
+                             table.schema.field("by_match_length"), column)
+    checks = check_steps(table, now_ns=None)
+    assert np.flatnonzero(~checks.valid).tolist() == [1, 3, 4, 5]
+    assert {v.reason for v in checks.violations} == {"invalid_by_match_length"}

@@ -241,3 +241,14 @@ def test_the_closed_loop_runs_a_budget_and_a_steady_load_stays_fresh(tmp_path):
     alone, _, table_only = build_engine(scenario, "tabletune:budgets=0")
     alone.run(table_only)
     assert alone.switch.budget is None and alone.switch.version >= 1
+
+
+def test_a_drafter_without_match_lengths_runs_the_table_of_a_budget_carrying_policy(tmp_path):
+    rows = [([1, 2, 3] * 10, [1, 2, 3] * 20) for _ in range(4)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    policy = StaticTable(DraftTable.from_vllm([[1, 256, 3]]), name="k3",
+                         budget=DraftBudget(min_match=1, ranges=((1, 256, (0, 7)),)))
+    scenario = Scenario(seed=1, drafter=DrafterConfig(method="eagle"), phases=(
+        PhaseConfig(duration_s=5.0, concurrency=2, trace=str(trace)),))
+    engine, _, _ = build_engine(scenario, policy)
+    assert engine.switch.budget is None and engine.switch.k_for(1) == 3

@@ -69,14 +69,11 @@ class StepColumns:
         A step after an exploration probe verifies the probe's drafts, so it is excluded
         as well as the probe itself.
         """
-        forced = self.forced
-        after = np.zeros_like(forced)
-        after[1:] = forced[:-1]
-        return ~(forced | after)
+        return ~(self.forced | self.after_forced())
 
     def after_forced(self) -> NDArray[np.bool_]:
         """Steps whose verified drafts were proposed at a forced K (the step before was
-        forced): where a budget runs, the only steps every request of which drafted one K."""
+        forced): under a budget, the only steps every request of which drafted one K."""
         after = np.zeros_like(self.forced)
         after[1:] = self.forced[:-1]
         return after

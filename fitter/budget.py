@@ -10,8 +10,8 @@ where T is the step latency at B decode requests drafting that many tokens each 
 A long match is worth drafting deep where a short one is not: at large B every verified
 token costs, and the short matches' drafts are mostly rejected. The K of one length is
 chosen with the others held, length by length, until none moves (coordinate ascent: the
-goodput is a ratio of two sums, and a few rounds settle it). The table's K for B caps every
-length: the table stays the budget's bound.
+goodput is a ratio of two sums, and a few rounds settle it), within the engine's startup K.
+The budget keeps the table's K wherever it is not predicted to beat it by `MIN_GAIN`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import polars as pl
 from numpy.typing import ArrayLike, NDArray
 
 from fitter.records import Records, as_frame
-from fitter.surface.acceptance import beta_posteriors
+from fitter.surface.acceptance import acceptance_length, beta_posteriors
 from fitter.surface.fit import SurfaceFit
 from fitter.surface.latency import decode_matrix
 from schemas.draft_budget import MAX_MATCH_LENGTHS, DraftBudget
@@ -58,7 +58,7 @@ def acceptance_lengths(conditional: ArrayLike, max_k: int) -> NDArray[np.float64
     if rates.size == 0:
         rates = np.zeros(1)
     padded = np.concatenate([rates, np.full(max(0, max_k - rates.size), rates[-1])])[:max_k]
-    return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(padded))])
+    return acceptance_length(padded, np.arange(max_k + 1))
 
 
 def best_ks(batch_size: int, cap: int, lengths: NDArray[np.float64],
@@ -105,9 +105,9 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
                   min_gain: float = MIN_GAIN) -> DraftBudget:
     """The goodput-maximising budget for batch sizes 1..len(cap_by_batch) - 1.
 
-    `cap_by_batch[B]`: the largest K at B (index 0 unused; the engine's startup K). `conditional_by_length[m]`:
-    conditional acceptance per position of requests whose lookup matched m tokens, for
-    m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
+    `cap_by_batch[B]`: the largest K at B (index 0 unused; the engine's startup K).
+    `conditional_by_length[m]`: conditional acceptance per position of requests whose
+    lookup matched m tokens, for m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
     K an engine can run (its startup set; default all). `table_by_batch[B]`: the table's K,
     which every matched request drafts at B unless the best K by length is predicted to
     beat it by more than `min_gain`. A batch size joins the range below it when that
@@ -125,16 +125,16 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
     for batch_size in range(1, len(cap_by_batch)):
         cap = int(cap_by_batch[batch_size])
         ks = best_ks(batch_size, cap, lengths[:, :cap + 1], shares, latency, k_values)
+        chosen = goodput(batch_size, ks, lengths, shares, latency)
         if table_by_batch is not None:
             table_k = min(int(table_by_batch[batch_size]), cap)
             uniform = (0,) + (table_k,) * (shares.size - 1)
-            if (goodput(batch_size, ks, lengths, shares, latency)
-                    <= (1.0 + min_gain) * goodput(batch_size, uniform, lengths, shares,
-                                                  latency)):
-                ks = uniform
+            kept = goodput(batch_size, uniform, lengths, shares, latency)
+            if chosen <= (1.0 + min_gain) * kept:
+                ks, chosen = uniform, kept
         if held is not None and max(held) <= cap and (
                 goodput(batch_size, held, lengths, shares, latency)
-                >= (1.0 - MERGE_LOSS) * goodput(batch_size, ks, lengths, shares, latency)):
+                >= (1.0 - MERGE_LOSS) * chosen):
             ranges[-1] = (ranges[-1][0], batch_size, ranges[-1][2])
             continue
         held = ks
@@ -159,8 +159,6 @@ class MatchStatistics:
     """Share of decode requests per match length 0..M."""
     conditional: NDArray[np.float64]
     """(M + 1, positions): posterior mean of P(accept position i | reached it) per length."""
-    reached: NDArray[np.float64]
-    """(M + 1, positions): drafts that reached each position: how much was measured."""
 
 
 def match_statistics(records: Records, *, n_positions: int, max_match: int,
@@ -193,7 +191,7 @@ def match_statistics(records: Records, *, n_positions: int, max_match: int,
                                       prior_mean=prior_mean, prior_strength=prior_strength,
                                       extrapolation_decay=extrapolation_decay)
         conditional[length] = alpha / (alpha + beta)
-    return MatchStatistics(requests / requests.sum(), conditional, reached)
+    return MatchStatistics(requests / requests.sum(), conditional)
 
 
 def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
@@ -218,25 +216,26 @@ def fit_budget(surface: SurfaceFit, statistics: MatchStatistics, *, max_k: int,
                          else table.to_dense(surface.max_batch))
 
 
-def budget_from_records(surface: SurfaceFit, records: Records, *, max_k: int,
-                        k_values: Sequence[int] | None = None,
-                        table: DraftTable | None = None) -> DraftBudget | None:
-    """The fitted budget when the records report match lengths, else None. The lengths
-    run from the shortest match seen (prompt_lookup_min: shorter n-grams are never
-    matched) to the longest; a longer one takes the last K."""
+def add_fitted_budget(envelope: TableEnvelope, surface: SurfaceFit, records: Records, *,
+                      max_k: int) -> TableEnvelope:
+    """`envelope` with the budget fitted beside its table when the records report match
+    lengths (else as it is), K among its startup set (`with_budget`). The lengths run
+    from the shortest match seen (prompt_lookup_min: shorter n-grams are never matched) to
+    the longest; a longer one takes the last K."""
     frame = as_frame(records, columns=("by_match_length",))
     if "by_match_length" not in frame.columns or max_k < 1:
-        return None
+        return envelope
     seen = (frame.select(pl.col("by_match_length").explode().struct.field("match_length"))
             .drop_nulls().to_series())
     matched = seen.filter(seen > 0)
     if matched.len() == 0:
-        return None
+        return envelope
     max_match = min(int(matched.max()), MAX_MATCH_LENGTHS)  # type: ignore[arg-type]
     min_match = min(int(matched.min()), max_match)  # type: ignore[arg-type]
     statistics = match_statistics(frame, n_positions=max_k, max_match=max_match)
-    return fit_budget(surface, statistics, max_k=max_k, k_values=k_values, table=table,
-                      min_match=min_match)
+    budget = fit_budget(surface, statistics, max_k=max_k, min_match=min_match,
+                        k_values=envelope.startup_k_values, table=envelope.table)
+    return with_budget(envelope, budget)
 
 
 def with_budget(envelope: TableEnvelope, budget: DraftBudget) -> TableEnvelope:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fitter.budget import budget_from_records, with_budget
+from fitter.budget import add_fitted_budget
 from fitter.records import Records
 from fitter.surface.composition import CompositionModel
 from fitter.surface.fit import DEFAULT_HALF_LIFE_S, SurfaceFit, fit_surface
@@ -392,9 +392,7 @@ def fit_table(
                                max_batch=max_batch, startup_k_values=startup_k_values,
                                tolerance=tolerance, fewest_ranges=fewest_ranges,
                                merge_z=merge_z, created_at=created_at, provenance=provenance)
-    budget = (budget_from_records(fit, records, max_k=max_k, k_values=startup_k_values,
-                                  table=envelope.table) if budgets else None)
-    return envelope if budget is None else with_budget(envelope, budget)
+    return add_fitted_budget(envelope, fit, records, max_k=max_k) if budgets else envelope
 
 
 def _mergeable(surface: GoodputSurface, decision: NDArray[np.float64], merge_z: float | None,

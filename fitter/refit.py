@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from fitter.budget import budget_from_records, with_budget
+from fitter.budget import add_fitted_budget
 from fitter.derive import DEFAULT_TOLERANCE, derive_envelope
 from fitter.engine_consensus import Screening, screen
 from fitter.records import Records, as_frame
@@ -150,10 +150,7 @@ def decide_refit(
         fit, key=key, version=base + 1, max_k=max_k, max_batch=max_batch,
         startup_k_values=startup_k_values, tolerance=tolerance, created_at=created_at,
         provenance={"source": "refit", "stale": stale, **screened, **dict(provenance or {})})
-    budget = budget_from_records(fit, frame, max_k=max_k, k_values=startup_k_values,
-                                 table=candidate.table)
-    if budget is not None:
-        candidate = with_budget(candidate, budget)
+    candidate = add_fitted_budget(candidate, fit, frame, max_k=max_k)
     if current is None:
         return RefitDecision(candidate, True, "no current table", None, threshold, None, stale,
                              screening)

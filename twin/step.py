@@ -307,9 +307,9 @@ class StepEngine:
 
         Requests whose n-gram lookup finds no match propose nothing: where the pool was
         drafted for real, exactly where lookup missed, and a budget then sets every
-        request's K by its match length (in place of the step's K); elsewhere at chance 1 - `ngram_match_prob` where nothing
-        would be accepted (SpecDecode-Bench's match model). Returns whether any request
-        still drafts."""
+        request's K by its match length (in place of the step's K); elsewhere at chance
+        1 - `ngram_match_prob` where nothing would be accepted (SpecDecode-Bench's match
+        model). Returns whether any request still drafts."""
         b = self.batch
         rows = np.flatnonzero(~finished[:decoding])
         positions = b.acc_offset[rows] + b.generated[rows] - 1

@@ -16,7 +16,8 @@ from controller.validation import EngineLimits
 from schemas import TableEnvelope
 
 Fit = Callable[..., TableEnvelope]
-"""fit(records, *, key, max_k, max_batch, startup_k_values, version, half_life_s, ...)."""
+"""fit(records, *, key, max_k, max_batch, startup_k_values, version, half_life_s, ...,
+budgets) (`fitter.derive.fit_table`; a wrapper passes on the options it does not read)."""
 
 MIN_FIT_RECORDS = 200
 """Fewer step records than this make no fit: the surface has a dozen coefficients per K."""

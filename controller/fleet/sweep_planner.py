@@ -278,10 +278,10 @@ class SweepPlanner:
     def _fit_choice(self, records: pa.Table, now_s: float, batch_size: int, *, reason: str,
                     half_life_s: float | None, tolerance: float) -> int | None:
         """The K a fit of `records` runs at `batch_size` (None: no fit, or a K the engines
-        do not run)."""
+        do not run). Only the table is read, so no budget is fitted beside it."""
         envelope = self.fitter(records, now_s, reason=reason, version=1,
                                half_life_s=half_life_s, tolerance=tolerance,
-                               k_values=self.k_values)
+                               k_values=self.k_values, budgets=False)
         if envelope is None:
             return None
         chosen = envelope.table.k_for(int(np.clip(batch_size, 1, self.limits.max_batch)))

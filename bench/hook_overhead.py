@@ -6,6 +6,9 @@ Step 2 replays those real objects through the hook's own `schedule()`/`update_fr
 code in a tight loop (vLLM's work replaced by returning the captured objects), with the real
 recorder and its background thread running, and reports the engine-thread microseconds per
 step (median of rounds). It also times the off-thread accounting (`build_step_fields`).
+Each step is replayed twice: as under vLLM's n-gram proposer, and as under TableTune's
+(`producers.ngram_proposer`), where the hook also hands the proposer the step's K and budget
+and keeps the drafts' match lengths, and the accounting adds acceptance by match length.
 
     .venv/bin/python -m bench.hook_overhead [--out DIR]
 """
@@ -55,17 +58,29 @@ def capture_real_steps(work: str, batch_sizes: list[int], max_tokens: int) -> di
     return {b: captured[b] for b in batch_sizes if b in captured}
 
 
-def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[str, float]:
-    """Engine-thread µs per step of the hook's own code, on a captured real step."""
+def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
+           proposer: bool = False) -> dict[str, float]:
+    """Engine-thread µs per step of the hook's own code, on a captured real step.
+    `proposer`: as with TableTune's n-gram proposer linked, under a live budget."""
+    import numpy as np
+    from vllm.v1.outputs import DraftTokenIds
+
     from controller.engine.table_switch import TableSwitch
+    from producers.draft_link import LINK
     from producers.identity import EngineIdentity
     from producers.recorder import StepRecorder
     from producers.sinks import FileSink
     from producers.vllm import TableTuneHook
     from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
     from schemas import DraftTable
+    from schemas.draft_budget import DraftBudget
 
     output, runner_output = step
+    req_ids = list(runner_output.req_id_to_index)
+    lengths = np.arange(len(req_ids), dtype=np.int32) % 4  # match lengths 0..3
+    drafts = DraftTokenIds(req_ids, [[1, 2]] * len(req_ids))
+    LINK.lookup_range = (1, 3) if proposer else None
+    budget = DraftBudget.from_json({"min_match": 1, "ranges": [[1, 256, [0, 4, 2]]]})
 
     class VllmDidItsWork:
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -74,10 +89,14 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
         def update_from_output(self, *args: Any) -> dict:
             return {}
 
+        def update_draft_token_ids(self, *args: Any) -> None:
+            pass
+
     class Probe(TableTuneHook, VllmDidItsWork):
         def __init__(self) -> None:  # state as TableTuneHook._tt_setup would leave it
             self._tt_switch = TableSwitch(DraftTable.from_vllm([[1, 256, 2]]), max_k=4,
-                                          max_batch=256)
+                                          max_batch=256, max_match=3 if proposer else 0,
+                                          budget=budget if proposer else None)
             self._tt_recorder = StepRecorder(EngineIdentity("bench", "m", "ngram", "cpu"),
                                              FileSink(sink_dir), max_k=4)
             self._tt_async = False
@@ -85,6 +104,7 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
             self._tt_last_update = None
             self._tt_hook_errors = 0
             self._tt_build = None
+            self._tt_draft_match = None
 
     probe = Probe()
     per_step_us = []
@@ -93,12 +113,16 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
         for _ in range(steps_per_round):
             scheduled = probe.schedule()
             probe.update_from_output(scheduled, runner_output)
+            if proposer:
+                LINK.match_lengths = lengths  # what the proposer leaves each step
+                probe.update_draft_token_ids(drafts)
         per_step_us.append((time.perf_counter_ns() - start) / steps_per_round / 1000)
     assert probe._tt_hook_errors == 0
     probe._tt_recorder.close()
 
     raw = RawStep(0.0, 0.001, 0.0, output, list(map(len, runner_output.sampled_token_ids)),
-                  runner_output.req_id_to_index, 0, False, False, 4, 0)
+                  runner_output.req_id_to_index, 0, False, False, 4, 0,
+                  draft_match=(req_ids, lengths) if proposer else None)
     build_us = []
     requests = VllmRequests(4)  # the per-request sums, as the hook keeps them
     for _ in range(rounds):
@@ -106,6 +130,7 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str) -> dict[
         for _ in range(200):
             build_step_fields(raw, requests)
         build_us.append((time.perf_counter_ns() - start) / 200 / 1000)
+    LINK.lookup_range = LINK.match_lengths = None
     return {"engine_thread_us_median": statistics.median(per_step_us),
             "engine_thread_us_max_round": max(per_step_us),
             "off_thread_build_us_median": statistics.median(build_us)}
@@ -128,10 +153,13 @@ def main() -> None:
     steps = capture_real_steps(work, args.batch_sizes, max_tokens=24)
     results = []
     for batch_size, step in sorted(steps.items()):
-        numbers = replay(step, args.rounds, args.steps_per_round, f"{work}/replay-{batch_size}")
-        results.append({"batch_size": batch_size,
-                        "drafted_requests": len(step[0].scheduled_spec_decode_tokens),
-                        **{k: round(v, 2) for k, v in numbers.items()}})
+        for proposer in (False, True):
+            numbers = replay(step, args.rounds, args.steps_per_round,
+                             f"{work}/replay-{batch_size}-{int(proposer)}", proposer=proposer)
+            results.append({"batch_size": batch_size,
+                            "proposer": "tabletune" if proposer else "vllm-ngram",
+                            "drafted_requests": len(step[0].scheduled_spec_decode_tokens),
+                            **{k: round(v, 2) for k, v in numbers.items()}})
     from bench.common import emit
     emit("hook_overhead", {"command": "python -m bench.hook_overhead",
                            "target_us_at_b64": 10, "results": results}, args.out)

@@ -24,6 +24,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from controller.engine.table_switch import StagedTable, TableSwitch
+from producers.draft_link import LINK, PROPOSER_CLASS
 from producers.identity import EngineIdentity, default_engine_id
 from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
@@ -59,6 +60,8 @@ class TableTuneHook:
         self._tt_hook_errors = 0
         self._tt_build: Any = None
         """build_step_fields bound to this engine's request ledger (made on first use)."""
+        self._tt_draft_match: tuple[list[str], Any] | None = None
+        """The last drafts' request ids and match lengths (TableTune's proposer only)."""
         try:
             self._tt_setup()
         except SettingsError as exc:  # names the variable: one line, no traceback
@@ -74,9 +77,11 @@ class TableTuneHook:
         max_num_seqs = config.scheduler_config.max_num_seqs
         max_k = int(getattr(self, "num_spec_tokens", 0) or 0)
         lookup = getattr(self, "dynamic_sd_lookup", None)
+        budgets = budget_support(self._tt_async)
         if lookup is not None:
             startup = DraftTable.from_dense(list(lookup))
-            self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs)
+            self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs,
+                                          max_match=budgets[0])
         identity = engine_identity(config)
         settings = Settings.from_env()
         follow = bool(settings.bootstrap_servers) and self._tt_switch is not None
@@ -107,9 +112,10 @@ class TableTuneHook:
                           {"engine_id": identity.engine_id})
         except (OSError, ValueError) as exc:  # a taken port must not cost the engine its telemetry
             log.error("TableTune metrics endpoint not started: %s", exc)
-        log.info("TableTune telemetry for %s -> %s (table switch: %s; budgets: off, vLLM's "
-                 "proposers report no n-gram match length: tables apply)", identity.engine_id,
-                 sink_url, "on" if self._tt_switch else "off, no startup table")
+        log.info("TableTune telemetry for %s -> %s (table switch: %s; budgets: %s)",
+                 identity.engine_id, sink_url,
+                 "on" if self._tt_switch else "off, no startup table",
+                 budgets[1] if self._tt_switch else "off, no table switch")
 
     # ---- the table switch -----------------------------------------------------------------
     def stage_table(self, table: DraftTable, version: int, *, forced: bool = False
@@ -143,10 +149,22 @@ class TableTuneHook:
                 self.dynamic_sd_lookup = (list(staged.lookup) if staged.explorer is None
                                           else ExploringLookup(staged.lookup, switch))
         output = super().schedule(*args, **kwargs)
+        if LINK.linked:  # TableTune's proposer: it drafts what the table or budget gives
+            LINK.step_k = output.num_spec_tokens_to_schedule
+            LINK.step_budget = (switch.budget_for(len(output.num_scheduled_tokens))
+                                if switch is not None else None)
         if self._tt_recorder is not None:
             version, forced = (switch.version, switch.step_forced) if switch else (0, False)
             self._tt_schedules.append((id(output), started, version, forced))
         return output
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        matched = LINK.match_lengths
+        if matched is not None:  # rows in the order of the drafts' request ids, which for
+            # list drafts is vLLM's live input-batch list: copied, as vLLM reorders it later
+            self._tt_draft_match = (list(draft_token_ids.req_ids), matched)
+            LINK.match_lengths = None
+        super().update_draft_token_ids(draft_token_ids)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         recorder = self._tt_recorder
@@ -185,6 +203,7 @@ class TableTuneHook:
             async_scheduling=self._tt_async,
             max_positions=recorder.max_k,
             ts_ns=time.time_ns(),
+            draft_match=self._tt_draft_match,
         ))
         self._tt_last_update = now
 
@@ -240,6 +259,19 @@ class TableTuneScheduler:
         return TableTuneSyncScheduler(vllm_config, *args, **kwargs)
 
 
+def budget_support(async_scheduling: bool) -> tuple[int, str]:
+    """(the switch's max match length, what the engine log says of budgets). Budgets need
+    TableTune's n-gram proposer in this process and synchronous scheduling, under which vLLM
+    hands the scheduler each step's drafts with their request ids."""
+    if LINK.lookup_range is None:
+        return 0, ("off, the proposer is not TableTune's n-gram proposer in this process: "
+                   "tables apply")
+    if async_scheduling:
+        return 0, "off under async scheduling (--no-async-scheduling turns them on): tables apply"
+    low, high = LINK.lookup_range
+    return high, f"on where published (TableTune's n-gram proposer, lookup {low}..{high})"
+
+
 def start_table_feed(settings: Settings, identity: EngineIdentity, switch: TableSwitch,
                      max_num_seqs: int, tap: Any = None) -> Any:
     """Follow the tables topic for this engine's key (TABLETUNE_TABLE_KEY overrides)."""
@@ -269,6 +301,9 @@ def engine_identity(vllm_config: Any) -> EngineIdentity:
     spec = vllm_config.speculative_config
     if spec is None:
         drafter = "none"
+    elif spec.method == "custom_class":
+        # TableTune's proposer drafts as vLLM's n-gram does, so it shares n-gram keys
+        drafter = "ngram" if spec.model == PROPOSER_CLASS else f"custom_class:{spec.model}"
     else:
         drafter = str(spec.method)
         draft_model = getattr(getattr(spec, "draft_model_config", None), "model", None)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from producers.match_lengths import match_length_rows
 from producers.request_ledger import RequestLedger
 
 
@@ -37,6 +38,9 @@ class RawStep:
     async_scheduling: bool
     max_positions: int
     ts_ns: int
+    draft_match: tuple[list[str], Any] | None = None
+    """TableTune's proposer only: the request ids and match lengths of the drafts this step
+    verifies (proposed at the step before), in one order."""
 
 
 class VllmRequests:
@@ -137,6 +141,9 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         context_lengths.append(computed + scheduled)
     if requests is not None:
         requests.observe(raw, decoding)
+    by_match: np.ndarray | tuple[()] = ()
+    if raw.draft_match is not None and decoding:
+        by_match = acceptance_by_match_length(raw, decoding)
 
     kv_tokens = sum(context_lengths)
     previous = raw.previous_update_start_s
@@ -161,7 +168,33 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         "inter_step_s": inter_step_s,
         "forced": raw.forced,
         "finished_requests": finished,
+        "by_match_length": by_match,
     }
+
+
+def acceptance_by_match_length(raw: RawStep, decoding: list[tuple[str, int, int]]
+                               ) -> np.ndarray | tuple[()]:
+    """`match_length_rows` over the step's decoding requests that sampled and whose draft
+    was looked up (a request drafting nothing after a miss counts at length 0)."""
+    assert raw.draft_match is not None
+    req_ids, lengths = raw.draft_match
+    length_of = dict(zip(req_ids, lengths.tolist(), strict=False))
+    drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
+    sampled, index_of = raw.sampled_lengths, raw.req_id_to_index
+    matched, drafted, accepted = [], [], []
+    for req_id, _, _ in decoding:
+        length = length_of.get(req_id, -1)
+        index = index_of.get(req_id)
+        if length < 0 or index is None or index >= len(sampled) or not sampled[index]:
+            continue
+        drafts = len(drafts_of.get(req_id, ()))
+        matched.append(length)
+        drafted.append(drafts)
+        accepted.append(min(sampled[index] - 1, drafts))
+    if not matched:
+        return ()
+    return match_length_rows(np.array(matched), np.array(drafted), np.array(accepted),
+                             raw.max_positions)
 
 
 def step_latency_s(raw: RawStep) -> float:

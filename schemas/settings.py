@@ -50,6 +50,10 @@ ENV_VARS: dict[str, str] = {
     "TABLETUNE_TABLE_KEY": "table key an engine follows (default model|drafter|hardware)",
     "TABLETUNE_EXPLORE_SHARE": "share of engine steps run at another K to learn, 0 to 0.5 "
                                "(default 0.02; 0: off)",
+    "TABLETUNE_PROMPT_LOOKUP_MIN": "TableTune's n-gram proposer: shortest n-gram it matches "
+                                   "(vLLM's prompt_lookup_min; default: the max, else 5)",
+    "TABLETUNE_PROMPT_LOOKUP_MAX": "TableTune's n-gram proposer: longest n-gram it matches "
+                                   "(vLLM's prompt_lookup_max; default: the min, else 5)",
     "TABLETUNE_METRICS_PORT": "serve Prometheus metrics on this port (engine and jobs)",
     "TABLETUNE_METRICS_ADDR": "address of the metrics endpoint, which has no authentication "
                               "(default 127.0.0.1; 0.0.0.0 where Prometheus scrapes the pod)",

@@ -62,11 +62,9 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
            proposer: bool = False) -> dict[str, float]:
     """Engine-thread µs per step of the hook's own code, on a captured real step.
     `proposer`: as with TableTune's n-gram proposer linked, under a live budget."""
-    import numpy as np
     from vllm.v1.outputs import DraftTokenIds
 
     from controller.engine.table_switch import TableSwitch
-    from producers.draft_link import LINK
     from producers.identity import EngineIdentity
     from producers.recorder import StepRecorder
     from producers.sinks import FileSink
@@ -77,9 +75,8 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
 
     output, runner_output = step
     req_ids = list(runner_output.req_id_to_index)
-    lengths = np.arange(len(req_ids), dtype=np.int32) % 4  # match lengths 0..3
-    drafts = DraftTokenIds(req_ids, [[1, 2]] * len(req_ids))
-    LINK.lookup_range = (1, 3) if proposer else None
+    lengths = [i % 4 for i in range(len(req_ids))]  # match lengths 0..3
+    marked = [[1, 2, 3, 4, -1 - length] for length in lengths]  # as the proposer drafts
     budget = DraftBudget.from_json({"min_match": 1, "ranges": [[1, 256, [0, 4, 2]]]})
 
     class VllmDidItsWork:
@@ -105,6 +102,8 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
             self._tt_hook_errors = 0
             self._tt_build = None
             self._tt_draft_match = None
+            self._tt_marked = proposer
+            self._tt_limits = (2, None)
 
     probe = Probe()
     per_step_us = []
@@ -113,9 +112,8 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
         for _ in range(steps_per_round):
             scheduled = probe.schedule()
             probe.update_from_output(scheduled, runner_output)
-            if proposer:
-                LINK.match_lengths = lengths  # what the proposer leaves each step
-                probe.update_draft_token_ids(drafts)
+            if proposer:  # a fresh copy per step, as vLLM hands over fresh lists
+                probe.update_draft_token_ids(DraftTokenIds(req_ids, [d[:] for d in marked]))
         per_step_us.append((time.perf_counter_ns() - start) / steps_per_round / 1000)
     assert probe._tt_hook_errors == 0
     probe._tt_recorder.close()
@@ -130,7 +128,6 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
         for _ in range(200):
             build_step_fields(raw, requests)
         build_us.append((time.perf_counter_ns() - start) / 200 / 1000)
-    LINK.lookup_range = LINK.match_lengths = None
     return {"engine_thread_us_median": statistics.median(per_step_us),
             "engine_thread_us_max_round": max(per_step_us),
             "off_thread_build_us_median": statistics.median(build_us)}

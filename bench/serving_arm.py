@@ -100,7 +100,7 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
     run_dir = ctx.out_dir / "runs" / slot.slug
     run_dir.mkdir(parents=True, exist_ok=True)
     stock = is_stock(slot.arm)
-    env = engine_environment(ctx.cache_dir, setup.kv_cache_gb)
+    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb), **dict(setup.engine_env)}
     if not stock:
         env.update({"TABLETUNE_BOOTSTRAP": ctx.bootstrap,
                     "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from producers.proposer_link import PROPOSER_CLASS
+
 REPO = Path(__file__).resolve().parents[1]
 HEALTH_TIMEOUT_S = 300.0
 """Three processes come up (API server, EngineCore, worker): ~45-60 s on 2 idle cores with
@@ -41,12 +43,16 @@ class ModelSetup:
     max_k: int
     kv_cache_gb: int = 2
     """VLLM_CPU_KVCACHE_SPACE: 16 sequences of 512 tokens of the 12-layer pair need ~0.8 GB."""
+    engine_env: tuple[tuple[str, str], ...] = ()
+    """More environment for the engine (TableTune's proposer reads its lookup range there)."""
 
     @property
     def drafter(self) -> str:
         """The drafter as the hook names it in the table key (producers.vllm)."""
         method = str(self.speculative["method"])
         model = self.speculative.get("model")
+        if method == "custom_class":
+            return "ngram" if model == PROPOSER_CLASS else f"custom_class:{model}"
         if model and method not in ("ngram", "suffix"):
             return f"{method}:{os.path.basename(str(model).rstrip('/'))}"
         return method

@@ -3,11 +3,13 @@
 Attach it with `speculative_config={"method": "custom_class", "model":
 "producers.ngram_proposer.TableTuneNgramProposer", "num_speculative_tokens": K, ...}`.
 It drafts exactly as vLLM's n-gram proposer does (the longest suffix n-gram of `min_n`..
-`max_n` tokens, its earliest earlier occurrence, the tokens that followed) and, with the
-scheduler hook attached, drafts per request what the live budget gives its match length,
-or the table's K where no budget is in force. vLLM sets `prompt_lookup_min/max` to 0 for a
-custom class, so the range comes from TABLETUNE_PROMPT_LOOKUP_MIN / _MAX (vLLM's rule: one
-of them sets both; neither is vLLM's default 5..5).
+`max_n` tokens, its earliest earlier occurrence, the tokens that followed). With the
+scheduler hook attached it marks each draft with its match length, and the hook cuts it to
+the live budget's K for that length, or to the table's K (producers/proposer_link.py).
+Without the hook it drafts `num_speculative_tokens`: vLLM does not pass a custom proposer
+the table's K. vLLM sets `prompt_lookup_min/max` to 0 for a custom class, so the range
+comes from TABLETUNE_PROMPT_LOOKUP_MIN / _MAX (vLLM's rule: one of them sets both; neither
+is vLLM's default 5..5).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from producers.draft_link import LINK
+from producers.proposer_link import drafts_are_marked, mark
 
 DEFAULT_LOOKUP = 5
 """vLLM's n-gram default for both ends of the range (vllm.config.speculative)."""
@@ -59,39 +61,41 @@ def lookup_range_from_env(environ: dict[str, str] | None = None) -> tuple[int, i
 class TableTuneNgramProposer:
     """vLLM's custom proposer interface: built with the VllmConfig, `propose` per step."""
 
+    DRAFT_MARKS = True
+    """Under the hook its drafts carry producers/proposer_link.py's marks."""
+
     def __init__(self, vllm_config: Any) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.min_n, self.max_n = lookup_range_from_env()
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.marks = drafts_are_marked(vllm_config)
+        """The hook is attached: drafts carry their match length, and it cuts them."""
         self._kernel = compiled_lookup()
         # compile now, not on the first request
         self._lookup(np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32),
                      np.zeros((1, 8), dtype=np.int32), batch=1)
-        LINK.lookup_range = (self.min_n, self.max_n)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
-        """One draft per request of the batch, in its row order, as vLLM's n-gram proposer
-        would make at the step's K, or at the budget's K for the request's match length."""
+        """One draft per request of the batch, in its row order: what vLLM's n-gram proposer
+        drafts at the engine's max K, marked with its match length when the hook is
+        attached. Rows that sampled nothing (a prefill chunk) draft nothing, unmarked."""
         rows = np.fromiter((i for i, sampled in enumerate(sampled_token_ids)
                             if sampled and num_tokens_no_spec[i] < self.max_model_len),
                            dtype=np.int32)
         count = len(sampled_token_ids)
         starts, lengths, matched = self._lookup(rows, num_tokens_no_spec, token_ids_cpu,
                                                 batch=count)
-        LINK.match_lengths = matched
-        budget = LINK.step_budget
-        step_k = self.k if LINK.step_k is None else min(LINK.step_k, self.k)
         out: list[list[int]] = []
         for row in range(count):
             match = int(matched[row])
-            if match <= 0:
+            if match < 0:
                 out.append([])
                 continue
-            take = min(int(lengths[row]), budget[match] if budget is not None else step_k)
-            start = int(starts[row])
-            out.append(token_ids_cpu[row, start:start + take].tolist() if take > 0 else [])
+            start, take = int(starts[row]), int(lengths[row])
+            draft = token_ids_cpu[row, start:start + take].tolist() if match else []
+            out.append(mark(draft, match) if self.marks else draft)
         return out
 
     def _lookup(self, rows: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray, *,

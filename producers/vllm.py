@@ -24,8 +24,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from controller.engine.table_switch import StagedTable, TableSwitch
-from producers.draft_link import LINK, PROPOSER_CLASS
 from producers.identity import EngineIdentity, default_engine_id
+from producers.ngram_proposer import lookup_range_from_env
+from producers.proposer_link import (
+    drafts_are_marked,
+    runs_tabletune_proposer,
+    unmark,
+)
 from producers.recorder import StepRecorder
 from producers.sinks import sink_from_url
 from producers.vllm_steps import RawStep, VllmRequests, build_step_fields
@@ -60,8 +65,12 @@ class TableTuneHook:
         self._tt_hook_errors = 0
         self._tt_build: Any = None
         """build_step_fields bound to this engine's request ledger (made on first use)."""
-        self._tt_draft_match: tuple[list[str], Any] | None = None
+        self._tt_draft_match: tuple[list[str], list[int]] | None = None
         """The last drafts' request ids and match lengths (TableTune's proposer only)."""
+        self._tt_marked = drafts_are_marked(self.vllm_config)
+        """TableTune's proposer marks its drafts: strip them, whether or not set-up works."""
+        self._tt_limits: tuple[int, tuple[int, ...] | None] = (self.num_spec_tokens, None)
+        """The last schedule's K and budget: what its drafts are cut to."""
         try:
             self._tt_setup()
         except SettingsError as exc:  # names the variable: one line, no traceback
@@ -77,7 +86,7 @@ class TableTuneHook:
         max_num_seqs = config.scheduler_config.max_num_seqs
         max_k = int(getattr(self, "num_spec_tokens", 0) or 0)
         lookup = getattr(self, "dynamic_sd_lookup", None)
-        budgets = budget_support(self._tt_async)
+        budgets = budget_support(config, self._tt_async)
         if lookup is not None:
             startup = DraftTable.from_dense(list(lookup))
             self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs,
@@ -149,22 +158,28 @@ class TableTuneHook:
                 self.dynamic_sd_lookup = (list(staged.lookup) if staged.explorer is None
                                           else ExploringLookup(staged.lookup, switch))
         output = super().schedule(*args, **kwargs)
-        if LINK.linked:  # TableTune's proposer: it drafts what the table or budget gives
-            LINK.step_k = output.num_spec_tokens_to_schedule
-            LINK.step_budget = (switch.budget_for(len(output.num_scheduled_tokens))
-                                if switch is not None else None)
+        if self._tt_marked:  # this step's drafts are cut to its K, or budget, on their return
+            self._tt_limits = (output.num_spec_tokens_to_schedule,
+                               switch.budget_for(len(output.num_scheduled_tokens))
+                               if switch is not None else None)
         if self._tt_recorder is not None:
             version, forced = (switch.version, switch.step_forced) if switch else (0, False)
             self._tt_schedules.append((id(output), started, version, forced))
         return output
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        matched = LINK.match_lengths
-        if matched is not None:  # rows in the order of the drafts' request ids, which for
-            # list drafts is vLLM's live input-batch list: copied, as vLLM reorders it later
+        if self._tt_marked:
+            matched = unmark(draft_token_ids.draft_token_ids, *self._tt_limits)
+            # in the order of the request ids, which for list drafts is vLLM's live
+            # input-batch list: copied, as vLLM reorders it later
             self._tt_draft_match = (list(draft_token_ids.req_ids), matched)
-            LINK.match_lengths = None
         super().update_draft_token_ids(draft_token_ids)
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any,
+                                         scheduler_output: Any) -> None:
+        if self._tt_marked:  # the same drafts on vLLM's deferred path: never a mark to vLLM
+            unmark(draft_token_ids.draft_token_ids, *self._tt_limits)
+        super().update_draft_token_ids_in_output(draft_token_ids, scheduler_output)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         recorder = self._tt_recorder
@@ -259,16 +274,15 @@ class TableTuneScheduler:
         return TableTuneSyncScheduler(vllm_config, *args, **kwargs)
 
 
-def budget_support(async_scheduling: bool) -> tuple[int, str]:
+def budget_support(vllm_config: Any, async_scheduling: bool) -> tuple[int, str]:
     """(the switch's max match length, what the engine log says of budgets). Budgets need
-    TableTune's n-gram proposer in this process and synchronous scheduling, under which vLLM
-    hands the scheduler each step's drafts with their request ids."""
-    if LINK.lookup_range is None:
-        return 0, ("off, the proposer is not TableTune's n-gram proposer in this process: "
-                   "tables apply")
+    TableTune's n-gram proposer and synchronous scheduling, under which vLLM hands the
+    scheduler each step's drafts with their request ids."""
+    if not runs_tabletune_proposer(vllm_config):
+        return 0, "off, the drafter is not TableTune's n-gram proposer: tables apply"
     if async_scheduling:
         return 0, "off under async scheduling (--no-async-scheduling turns them on): tables apply"
-    low, high = LINK.lookup_range
+    low, high = lookup_range_from_env()
     return high, f"on where published (TableTune's n-gram proposer, lookup {low}..{high})"
 
 
@@ -303,7 +317,8 @@ def engine_identity(vllm_config: Any) -> EngineIdentity:
         drafter = "none"
     elif spec.method == "custom_class":
         # TableTune's proposer drafts as vLLM's n-gram does, so it shares n-gram keys
-        drafter = "ngram" if spec.model == PROPOSER_CLASS else f"custom_class:{spec.model}"
+        drafter = ("ngram" if runs_tabletune_proposer(vllm_config)
+                   else f"custom_class:{spec.model}")
     else:
         drafter = str(spec.method)
         draft_model = getattr(getattr(spec, "draft_model_config", None), "model", None)

@@ -38,7 +38,7 @@ class RawStep:
     async_scheduling: bool
     max_positions: int
     ts_ns: int
-    draft_match: tuple[list[str], Any] | None = None
+    draft_match: tuple[list[str], list[int]] | None = None
     """TableTune's proposer only: the request ids and match lengths of the drafts this step
     verifies (proposed at the step before), in one order."""
 
@@ -178,7 +178,7 @@ def acceptance_by_match_length(raw: RawStep, decoding: list[tuple[str, int, int]
     was looked up (a request drafting nothing after a miss counts at length 0)."""
     assert raw.draft_match is not None
     req_ids, lengths = raw.draft_match
-    length_of = dict(zip(req_ids, lengths.tolist(), strict=False))
+    length_of = dict(zip(req_ids, lengths, strict=False))
     drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
     sampled, index_of = raw.sampled_lengths, raw.req_id_to_index
     matched, drafted, accepted = [], [], []

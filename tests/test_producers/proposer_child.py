@@ -42,24 +42,23 @@ def lookup(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def propose(spec: dict[str, Any]) -> dict[str, Any]:
-    from producers.draft_link import LINK
     from producers.ngram_proposer import TableTuneNgramProposer
+    from producers.proposer_link import HOOK_CLASS, PROPOSER_CLASS
 
     config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=spec["k"]),
-        model_config=SimpleNamespace(max_model_len=spec["max_model_len"]))
+        speculative_config=SimpleNamespace(num_speculative_tokens=spec["k"],
+                                           method="custom_class", model=PROPOSER_CLASS),
+        model_config=SimpleNamespace(max_model_len=spec["max_model_len"]),
+        scheduler_config=SimpleNamespace(scheduler_cls=HOOK_CLASS if spec["hook"] else None,
+                                         async_scheduling=False))
     proposer = TableTuneNgramProposer(config)
-    LINK.step_k, LINK.step_budget = spec.get("step_k"), spec.get("budget")
     rows = spec["rows"]
-    width = spec["max_model_len"]
-    token_ids = np.zeros((len(rows), width), dtype=np.int32)
+    token_ids = np.zeros((len(rows), spec["max_model_len"]), dtype=np.int32)
     for i, row in enumerate(rows):
         token_ids[i, :len(row)] = row
     drafts = proposer.propose(spec["sampled"], np.array([len(r) for r in rows], dtype=np.int32),
                               token_ids)
-    assert LINK.match_lengths is not None
-    return {"drafts": drafts, "match_lengths": LINK.match_lengths.tolist(),
-            "lookup_range": list(LINK.lookup_range or ())}
+    return {"drafts": drafts, "lookup_range": [proposer.min_n, proposer.max_n]}
 
 
 def main() -> None:

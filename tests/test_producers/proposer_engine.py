@@ -6,8 +6,8 @@ table feed has staged what the test published, generates the second batch, and p
 greedy outputs and how many drafts differed from vLLM's own prompt lookup.
 
 `CheckingProposer` is TableTune's proposer plus a check of every draft against vLLM's n-gram
-function on the same tokens: a draft must be a prefix of vLLM's, cut only by the step's K or
-the budget's K for its match length.
+function on the same tokens: under the hook, a draft is vLLM's at the engine's max K and its
+mark (the hook cuts it to the step's K or budget).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from producers.draft_link import LINK
 from producers.ngram_proposer import TableTuneNgramProposer
 from tests.test_producers import vllm_setup
 
@@ -40,16 +39,13 @@ class CheckingProposer(TableTuneNgramProposer):
 
         drafts = super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                                  slot_mappings)
-        budget, step_k, matched = LINK.step_budget, LINK.step_k, LINK.match_lengths
-        assert matched is not None and step_k is not None
         for row, draft in enumerate(drafts):
             if not sampled_token_ids[row] or num_tokens_no_spec[row] >= self.max_model_len:
                 continue
             theirs = vllm_lookup(token_ids_cpu[row, :num_tokens_no_spec[row]], self.min_n,
                                  self.max_n, self.max_model_len, self.k).tolist()
-            limit = budget[matched[row]] if budget is not None else step_k
             MISMATCHES["drafts"] += 1
-            MISMATCHES["differ"] += draft != theirs[:limit]
+            MISMATCHES["differ"] += not self.marks or draft[:-1] != theirs
         return drafts
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from producers.ngram_proposer import lookup_range_from_env
 from producers.prompt_lookup import prompt_lookup
+from producers.proposer_link import unmark
 from schemas import DraftTable, TableEnvelope, TableKey
 from schemas.draft_budget import DraftBudget
 from schemas.settings import Settings
@@ -78,24 +79,30 @@ ROWS = [[7, 8, 9, 7, 8, 9, 1, 2, 3, 4, 9, 1, 2],  # ends "9 1 2": a 3-token matc
 SAMPLED = [[2], [6], [6], [3], []]
 
 
-def test_drafts_are_cut_by_the_steps_k_or_by_the_budget_for_their_match_length() -> None:
+def test_under_the_hook_drafts_carry_their_match_length_and_are_cut_on_return() -> None:
     spec = {"k": 4, "max_model_len": 64, "rows": ROWS, "sampled": SAMPLED}
-    uncut = _child("propose", spec)
-    assert uncut["lookup_range"] == [1, 3]
-    assert uncut["match_lengths"] == [3, 1, 2, 0, -1]
-    for row, draft in zip(ROWS[:4], uncut["drafts"], strict=False):
+    alone = _child("propose", {**spec, "hook": False})
+    assert alone["lookup_range"] == [1, 3]
+    for row, draft in zip(ROWS[:4], alone["drafts"], strict=False):
         plain = prompt_lookup(np.array(row), min_n=1, max_n=3, k=4)
         assert draft == plain.draft.tolist()  # no hook: the engine's num_speculative_tokens
-    assert uncut["drafts"][0] == [3, 4, 9, 1] and uncut["drafts"][4] == []
+    assert alone["drafts"][0] == [3, 4, 9, 1] and alone["drafts"][3:] == [[], []]
 
-    at_k2 = _child("propose", {**spec, "step_k": 2})
-    assert at_k2["drafts"] == [d[:2] for d in uncut["drafts"]]
+    marked = _child("propose", {**spec, "hook": True})["drafts"]
+    # each looked-up draft ends with -1 - its match length; a prefill chunk drafts nothing
+    assert marked == [alone["drafts"][0] + [-4], alone["drafts"][1] + [-2],
+                      alone["drafts"][2] + [-3], [-1], []]
+
+    at_k2 = [list(d) for d in marked]
+    assert unmark(at_k2, 2, None) == [3, 1, 2, 0, -1]
+    assert at_k2 == [d[:2] for d in alone["drafts"]]
 
     budget = DraftBudget.from_json(BUDGET).k_by_match(batch_size=5, max_match=3)
-    budgeted = _child("propose", {**spec, "step_k": 2, "budget": list(budget)})
     assert budget == (0, 0, 4, 1)
-    assert budgeted["drafts"] == [uncut["drafts"][0][:1], [], uncut["drafts"][2][:4], [], []]
-    assert len(budgeted["drafts"][2]) > 2  # the budget drafts past the table's K
+    budgeted = [list(d) for d in marked]
+    unmark(budgeted, 2, budget)
+    assert budgeted == [alone["drafts"][0][:1], [], alone["drafts"][2][:4], [], []]
+    assert len(budgeted[2]) > 2  # the budget drafts past the table's K
 
 
 def test_the_lookup_range_comes_from_the_environment_by_vllms_rules() -> None:

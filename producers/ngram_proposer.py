@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from producers.proposer_link import drafts_are_marked, mark
+from schemas.draft_budget import MAX_MATCH_LENGTHS
 
 DEFAULT_LOOKUP = 5
 """vLLM's n-gram default for both ends of the range (vllm.config.speculative)."""
@@ -31,8 +32,8 @@ LOOKUP_MAX_ENV = "TABLETUNE_PROMPT_LOOKUP_MAX"
 
 def lookup_range_from_env(environ: dict[str, str] | None = None) -> tuple[int, int]:
     """(min_n, max_n) from the environment, by vLLM's rules for prompt_lookup_min/max.
-    Raises ValueError naming the variable when a value is not a positive integer, or the
-    minimum exceeds the maximum."""
+    Raises ValueError naming the variable when a value is not an integer within
+    1..MAX_MATCH_LENGTHS (a budget's bound), or the minimum exceeds the maximum."""
     env = os.environ if environ is None else environ
 
     def read(name: str) -> int | None:
@@ -43,8 +44,8 @@ def lookup_range_from_env(environ: dict[str, str] | None = None) -> tuple[int, i
             value = int(text)
         except ValueError:
             raise ValueError(f"{name}={text!r} is not an integer") from None
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+        if not 1 <= value <= MAX_MATCH_LENGTHS:
+            raise ValueError(f"{name}={value} must be within 1..{MAX_MATCH_LENGTHS}")
         return value
 
     low, high = read(LOOKUP_MIN_ENV), read(LOOKUP_MAX_ENV)

@@ -35,8 +35,9 @@ def plan(spec: grids.SuiteSpec, out_dir: Path) -> list[Task]:
     policies = (*grids.fixed_policies(spec.max_k), *spec.policies)
     tasks = []
     for case in grids.grid_cases(spec):
-        for policy in policies:
-            cost = (spec.warmup_s + spec.measure_s) * (3.0 if policy == "tabletune" else 1.0)
+        for policy in (*policies, *case.extra_policies):
+            cost = (spec.warmup_s + spec.measure_s) * (
+                3.0 if policy.startswith("tabletune") else 1.0)
             cost *= 1.5 if case.closed and case.load <= 8 else 1.0
             tasks.append(Task("load", f"{case.grid} {case.label}", policy,
                               scenario=case.scenario, cost=cost))

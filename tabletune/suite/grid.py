@@ -24,6 +24,14 @@ DATA_DIR = REPO.parent / "shared" / "data" / "specdecode-bench"
 MAX_K = 7
 BASELINES = ("vllm-doc", "dsd-goodput", "ema-adaptive")
 ADAPTIVE = (*BASELINES, "tabletune")
+LOOKUP = "ngram-lookup"
+"""n-gram drafted for real by vLLM's prompt lookup on the traces' tokens (`ngram` reads the
+traces' recorded acceptance): match lengths exist, so TableTune runs per-request budgets."""
+LOOKUP_RANGE = (1, 4)
+"""Budgets pay where the lookup keeps short matches (docs/MODEL.md); vLLM's default 5..5
+has one match length and nothing to key on."""
+TABLE_ALONE = "tabletune:budgets=0"
+"""TableTune's table without budgets, beside `tabletune` on the lookup grids."""
 
 FALLBACK = {  # docs/TWIN.md, acceptance: conditional rate per position; prompt/output means
     ("sharegpt", "eagle"): (0.69, 0.66, 0.69, 0.73, 0.76),
@@ -46,7 +54,7 @@ class SuiteSpec:
 
     name: str
     traces: tuple[str, ...] = ("sharegpt", "instructcoder", "gsm8k")
-    methods: tuple[str, ...] = ("eagle", "ngram")
+    methods: tuple[str, ...] = ("eagle", "ngram", LOOKUP)
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     """Closed-loop loads (one grid per trace x drafter); empty: no closed-loop grids."""
     rates_tok_s: tuple[float, ...] = (1000.0, 3000.0, 6000.0)
@@ -84,6 +92,8 @@ class Case:
     """`c=64` (closed loop) or `6000 tok/s` (open loop)."""
     load: float
     scenario: Scenario
+    extra_policies: tuple[str, ...] = ()
+    """Run beside the suite's policies at this load (TableTune's table alone on lookup)."""
 
     @property
     def closed(self) -> bool:
@@ -95,13 +105,14 @@ def grid_cases(spec: SuiteSpec) -> list[Case]:
     for trace in spec.traces:
         for method in spec.methods:
             name = f"{trace}-{method}"
+            extra = (TABLE_ALONE,) if method == LOOKUP and "tabletune" in spec.policies else ()
             for c in spec.concurrencies:
                 cases.append(Case(f"{name}/closed", f"c={c}", float(c),
-                                  load_scenario_for(spec, trace, method, concurrency=c)))
+                                  load_scenario_for(spec, trace, method, concurrency=c), extra))
             for tok_s in spec.rates_tok_s:
                 rate = tok_s / LENGTHS[trace][1]
                 cases.append(Case(f"{name}/open", f"{tok_s:g} tok/s", tok_s,
-                                  load_scenario_for(spec, trace, method, rate_rps=rate)))
+                                  load_scenario_for(spec, trace, method, rate_rps=rate), extra))
     return cases
 
 
@@ -114,18 +125,23 @@ def load_scenario_for(spec: SuiteSpec, trace: str, method: str, *,
     load = f"c{concurrency}" if concurrency is not None else f"r{rate_rps:.3g}"
     name = f"{trace}-{method}-{load}"
 
+    drafter = "ngram" if method == LOOKUP else method
+
     def phase(label: str, duration_s: float) -> PhaseConfig:
         return PhaseConfig(name=label, duration_s=duration_s, concurrency=concurrency,
                            rate_rps=rate_rps, trace=str(path),
-                           acceptance=FALLBACK[(trace, method)], prompt_len=prompt_len,
+                           acceptance=FALLBACK[(trace, drafter)], prompt_len=prompt_len,
                            output_len=output_len)
+
+    lookup = LOOKUP_RANGE if method == LOOKUP else (None, None)
 
     return Scenario(
         seed=spec.seed + zlib.crc32(name.encode()) % 100_000, name=name,
         engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_k=spec.max_k),
         cost=CostConfig(profile="h100-llama3.1-8b"),
-        drafter=DrafterConfig(method=method, ngram_match_prob=ngram_match_prob_for(path)
-                              if method == "ngram" else 1.0),
+        drafter=DrafterConfig(method=drafter, ngram_match_prob=ngram_match_prob_for(path)
+                              if drafter == "ngram" else 1.0, prompt_lookup_min=lookup[0],
+                              prompt_lookup_max=lookup[1]),
         phases=(phase("warmup", spec.warmup_s), phase("measure", spec.measure_s)))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tabletune.suite.grid import ADAPTIVE, BASELINES
+from tabletune.suite.grid import ADAPTIVE, BASELINES, TABLE_ALONE
 from tabletune.suite.machine import describe
 from tabletune.suite.ratios import MIN_STALE_LOSS
 
@@ -32,6 +32,9 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
 def markdown(results: dict[str, Any]) -> str:
     spec = results["spec"]
     policies = [p for p in ADAPTIVE if p in spec["policies"]]
+    columns = policies + [TABLE_ALONE] * any(
+        TABLE_ALONE in load["scores"] for grid in results["grids"].values()
+        for load in grid["loads"])
     lines = [f"## Suite: every policy side by side on the twin ({results['suite']})", ""]
     lines += _preamble(results)
     lines += ["", "### Ratio to the per-load best fixed K (mean / worst over the grid's loads)",
@@ -45,8 +48,8 @@ def markdown(results: dict[str, Any]) -> str:
         rows.append([name, f"{labels[0]} … {labels[-1]} ({len(labels)})" if labels else DASH,
                      f"{_k(single)} {fmt_stat(single_stat)}",
                      *(fmt_stat(ratios["policies"].get(p, {}).get("vs_oracle"))
-                       for p in policies)])
-    lines += _table(["grid", "loads", "best single fixed K", *policies], rows)
+                       for p in columns)])
+    lines += _table(["grid", "loads", "best single fixed K", *columns], rows)
     if "tabletune" in policies:
         lines += ["", "### TableTune against the best single fixed K and each baseline "
                   "(mean / worst of per-load ratios)", ""]

@@ -113,6 +113,7 @@ def test_the_lookup_range_comes_from_the_environment_by_vllms_rules() -> None:
     assert lookup_range_from_env(both) == (1, 4)
     for env, named in (({"TABLETUNE_PROMPT_LOOKUP_MAX": "four"}, "TABLETUNE_PROMPT_LOOKUP_MAX"),
                        ({"TABLETUNE_PROMPT_LOOKUP_MIN": "0"}, "TABLETUNE_PROMPT_LOOKUP_MIN"),
+                       ({"TABLETUNE_PROMPT_LOOKUP_MAX": "65"}, "TABLETUNE_PROMPT_LOOKUP_MAX"),
                        ({"TABLETUNE_PROMPT_LOOKUP_MIN": "5", "TABLETUNE_PROMPT_LOOKUP_MAX": "3"},
                         "TABLETUNE_PROMPT_LOOKUP_MIN=5")):
         with pytest.raises(ValueError, match=named):

@@ -7,8 +7,10 @@ code in a tight loop (vLLM's work replaced by returning the captured objects), w
 recorder and its background thread running, and reports the engine-thread microseconds per
 step (median of rounds). It also times the off-thread accounting (`build_step_fields`).
 Each step is replayed twice: as under vLLM's n-gram proposer, and as under TableTune's
-(`producers.ngram_proposer`), where the hook also hands the proposer the step's K and budget
-and keeps the drafts' match lengths, and the accounting adds acceptance by match length.
+(`producers.ngram_proposer`), where the hook also keeps the step's K and budget, and the
+accounting adds acceptance by match length. There the drafts' return is timed apart
+(`draft_cut_us`): the hook strips each draft's match-length mark and cuts it to its K, the
+work vLLM's own proposer does inside its lookup when handed the table's K.
 
     .venv/bin/python -m bench.hook_overhead [--out DIR]
 """
@@ -112,9 +114,18 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
         for _ in range(steps_per_round):
             scheduled = probe.schedule()
             probe.update_from_output(scheduled, runner_output)
-            if proposer:  # a fresh copy per step, as vLLM hands over fresh lists
-                probe.update_draft_token_ids(DraftTokenIds(req_ids, [d[:] for d in marked]))
         per_step_us.append((time.perf_counter_ns() - start) / steps_per_round / 1000)
+    cut_us = []
+    if proposer:  # the drafts' return: marks stripped, drafts cut, match lengths kept
+        handed = DraftTokenIds(req_ids, [])
+        for _ in range(rounds):
+            elapsed = 0
+            for _ in range(steps_per_round):
+                handed.draft_token_ids[:] = [d[:] for d in marked]  # fresh, as vLLM's are
+                start = time.perf_counter_ns()
+                probe.update_draft_token_ids(handed)
+                elapsed += time.perf_counter_ns() - start
+            cut_us.append(elapsed / steps_per_round / 1000)
     assert probe._tt_hook_errors == 0
     probe._tt_recorder.close()
 
@@ -130,6 +141,7 @@ def replay(step: Any, rounds: int, steps_per_round: int, sink_dir: str, *,
         build_us.append((time.perf_counter_ns() - start) / 200 / 1000)
     return {"engine_thread_us_median": statistics.median(per_step_us),
             "engine_thread_us_max_round": max(per_step_us),
+            **({"draft_cut_us_median": statistics.median(cut_us)} if cut_us else {}),
             "off_thread_build_us_median": statistics.median(build_us)}
 
 

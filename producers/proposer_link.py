@@ -54,14 +54,16 @@ def mark(draft: list[int], match_length: int) -> list[int]:
 def unmark(drafts: list[list[int]], step_k: int, budget: tuple[int, ...] | None
            ) -> list[int]:
     """Strip each draft's mark and cut the draft, in place, to `budget[its match length]`
-    (or `step_k` without a budget); returns the match lengths (-1: an unmarked draft)."""
+    (or `step_k` without a budget); returns the match lengths (-1: an unmarked draft).
+    Engine thread: one pass, the lists vLLM handed over changed in place."""
     lengths = []
     last = len(budget) - 1 if budget is not None else 0
-    for i, draft in enumerate(drafts):
+    for draft in drafts:
         if draft and draft[-1] < 0:
-            match = -1 - draft[-1]
+            match = -1 - draft.pop()
             limit = step_k if budget is None else budget[match if match < last else last]
-            drafts[i] = draft[:min(limit, len(draft) - 1)]
+            if len(draft) > limit:
+                del draft[limit:]
             lengths.append(match)
         else:
             lengths.append(-1)

@@ -76,6 +76,22 @@ output tokens/s at K=0 / K=3: `small` in float32 1.1 / 3.9 at one request, 21.2 
 keeps the crossover (speculation pays alone, not at 16) at a speed a serving run can use."""
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--work, --pair, --dtype and --scale: what `build_model` reads, for every serving
+    benchmark."""
+    parser.add_argument("--work", default=None,
+                        help="models and caches (default: a new temporary folder; give one "
+                             "to reuse the model pair across runs)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
+                        help="the model pair's size (default small: see PAIRS in "
+                             "bench/real_serving.py for what was measured)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the server's --dtype for the pair (default float32: bfloat16 "
+                             "kernels are slow on CPUs without AVX-512)")
+    parser.add_argument("--scale", type=float, default=0.04,
+                        help="the model pair's layer scale (sets acceptance)")
+
+
 def build_model(args: argparse.Namespace, work: Path) -> ModelSetup:
     if args.quick:
         from tabletune.tiny_models import build_tiny_llama
@@ -231,9 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tiny model, fixed:2 and tabletune, one short phase (<= 3 min)")
     parser.add_argument("--out", default="bench-out/real-serving",
                         help="real_serving.json, real_serving.md, plots, parquet/, runs/")
-    parser.add_argument("--work", default=None,
-                        help="models and caches (default: a new temporary folder; give one "
-                             "to reuse the model pair across runs)")
+    add_model_arguments(parser)
     parser.add_argument("--model", default=None,
                         help="--quick: a tiny model folder already built by "
                              "tabletune.tiny_models (default: build one under --work)")
@@ -252,16 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="other arms, whose tables never change: lead-in (default 5)")
     parser.add_argument("--fixed-measure-s", type=float, default=None,
                         help="other arms: measured seconds per phase (default 20)")
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
-                        help="the model pair's size (default small: see PAIRS in "
-                             "bench/real_serving.py for what was measured)")
-    parser.add_argument("--dtype", default="float32",
-                        help="the server's --dtype for the pair (default float32: bfloat16 "
-                             "kernels are slow on CPUs without AVX-512)")
     parser.add_argument("--refit-s", type=float, default=None,
                         help="`tabletune control --refit-s` (default 30; quick 10)")
-    parser.add_argument("--scale", type=float, default=0.04,
-                        help="the model pair's layer scale (sets acceptance)")
     args = parser.parse_args(argv)
     for name, value in DEFAULTS["quick" if args.quick else "full"].items():
         if getattr(args, name) is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.common import emit
 from bench.real_engine import startup_table
-from bench.real_serving import MAX_K, MAX_NUM_SEQS, PAIRS, build_model
+from bench.real_serving import MAX_K, MAX_NUM_SEQS, add_model_arguments, build_model
 from bench.serving_arm import ArmContext, ArmRun, run_arm
 from bench.serving_plan import FULL_PHASES, QUICK_PHASES, Slot, is_stock
 from schemas.settings import Settings
@@ -81,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="tiny model, one pair, the quick phase: a smoke run")
     parser.add_argument("--out", default="bench-out/hook-ab")
-    parser.add_argument("--work", default=None, help="models and caches (default: temporary)")
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
-                        help="bench.real_serving's model pair (default small)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--scale", type=float, default=0.04)
+    add_model_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.k <= MAX_K:
         parser.error(f"--k must be within 0..{MAX_K}")

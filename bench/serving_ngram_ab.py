@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.common import emit
 from bench.real_engine import startup_table
-from bench.real_serving import MAX_K, PAIRS, build_model
+from bench.real_serving import MAX_K, add_model_arguments, build_model
 from bench.serving_arm import ArmContext, ArmRun, Client, run_arm
 from bench.serving_plan import (
     FULL_PHASES,
@@ -213,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-budget", action="store_true", help="skip part 2")
     parser.add_argument("--quick", action="store_true", help="tiny model, a smoke run")
     parser.add_argument("--out", default="bench-out/ngram-ab")
-    parser.add_argument("--work", default=None, help="models and caches (default: temporary)")
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="small",
-                        help="bench.real_serving's model pair; its target serves (default small)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--scale", type=float, default=0.04)
+    add_model_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.k <= MAX_K:
         parser.error(f"--k must be within 0..{MAX_K}")

@@ -30,6 +30,7 @@ from schemas.signing import generate_private_key, public_key_text
 from tabletune.broker import EmbeddedBroker
 from tests.kafka_helpers import read_telemetry
 from tests.test_producers import vllm_setup
+from tests.test_producers.lookup_cases import lookup_cases
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE_KEY = "tiny|ngram|proposer-cpu"
@@ -49,15 +50,7 @@ def _child(command: str, data: object) -> object:
 
 
 def test_its_lookup_drafts_what_vllms_does_and_knows_the_match_length() -> None:
-    rng = np.random.default_rng(1)
-    cases = []
-    for _ in range(3000):
-        vocab = int(rng.choice([2, 3, 5, 20, 1000]))  # small vocabularies repeat n-grams
-        length = int(rng.integers(0, 120))
-        min_n = int(rng.integers(1, 4))
-        cases.append({"tokens": rng.integers(0, vocab, size=length).tolist(), "min_n": min_n,
-                      "max_n": int(rng.integers(min_n, 6)), "k": int(rng.integers(1, 8)),
-                      "max_model_len": length + int(rng.integers(-2, 10))})
+    cases = lookup_cases(seed=1, max_len=120)
     results = _child("lookup", cases)
     assert isinstance(results, list)
     matched = 0

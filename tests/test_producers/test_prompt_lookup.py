@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from producers.prompt_lookup import PromptLookupIndex, prompt_lookup
+from tests.test_producers.lookup_cases import lookup_cases
 
 VLLM_SEARCH = """
 import json, sys
@@ -26,15 +27,7 @@ leave numba objects in this process that break the vLLM engine the hook tests st
 
 
 def test_the_same_drafts_as_vllms_proposer() -> None:
-    rng = np.random.default_rng(0)
-    cases = []
-    for _ in range(3000):
-        vocab = int(rng.choice([2, 3, 5, 20, 1000]))  # small vocabularies repeat n-grams
-        length = int(rng.integers(0, 80))
-        min_n = int(rng.integers(1, 4))
-        cases.append({"tokens": rng.integers(0, vocab, size=length).tolist(), "min_n": min_n,
-                      "max_n": int(rng.integers(min_n, 6)), "k": int(rng.integers(1, 8)),
-                      "max_model_len": length + int(rng.integers(-2, 10))})
+    cases = lookup_cases(seed=0)
     child = subprocess.run([sys.executable, "-c", VLLM_SEARCH], input=json.dumps(cases),
                            capture_output=True, text=True, timeout=300, check=True)
     drafts = json.loads(child.stdout.strip().splitlines()[-1])

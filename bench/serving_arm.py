@@ -100,11 +100,7 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
     run_dir = ctx.out_dir / "runs" / slot.slug
     run_dir.mkdir(parents=True, exist_ok=True)
     stock = is_stock(slot.arm)
-    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb), **dict(setup.engine_env)}
-    if not stock:
-        env.update({"TABLETUNE_BOOTSTRAP": ctx.bootstrap,
-                    "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
-                    "TABLETUNE_ENGINE_ID": run.engine_id, "TABLETUNE_HARDWARE": hardware})
+    env = arm_environment(ctx, setup, None if stock else (run.engine_id, hardware))
     started = time.monotonic()
     forced = run.table is not None and not stock
     if forced:
@@ -177,6 +173,19 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
             _read_control_output(control, run)
     run.wall_s = time.monotonic() - started
     return run
+
+
+def arm_environment(ctx: ArmContext, setup: ModelSetup,
+                    telemetry: tuple[str, str] | None) -> dict[str, str]:
+    """A server's environment: the engine's, the model setup's, and with `telemetry`
+    (engine id, hardware name) TableTune's broker for telemetry and tables."""
+    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb), **dict(setup.engine_env)}
+    if telemetry is not None:
+        engine_id, hardware = telemetry
+        env.update({"TABLETUNE_BOOTSTRAP": ctx.bootstrap,
+                    "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
+                    "TABLETUNE_ENGINE_ID": engine_id, "TABLETUNE_HARDWARE": hardware})
+    return env
 
 
 def _read_control_output(control: ControlProcess, run: ArmRun) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 from bench.common import emit
 from bench.real_engine import startup_table
 from bench.real_serving import MAX_K, add_model_arguments, build_model
-from bench.serving_arm import ArmContext, ArmRun, Client, run_arm
+from bench.serving_arm import ArmContext, ArmRun, Client, arm_environment, run_arm
 from bench.serving_plan import (
     FULL_PHASES,
     QUICK_PHASES,
@@ -46,7 +46,7 @@ from bench.serving_plan import (
     client_argv,
     phase_seconds,
 )
-from bench.serving_server import ModelSetup, Server, engine_environment
+from bench.serving_server import ModelSetup, Server
 from controller.fleet.table_log import publish, read_topic
 from producers.proposer_link import PROPOSER_CLASS
 from schemas import DraftTable, TableEnvelope, TableKey
@@ -101,9 +101,11 @@ def summarize(runs: dict[tuple[int, str], ArmRun], phases: list[str]) -> dict[st
     return out
 
 
-def budget_part(ctx: ArmContext, setup: ModelSetup, k: int, budget: DraftBudget,
-                phase: Phase, lead_s: float, measure_s: float) -> dict[str, Any]:
-    """Part 2: one server, the table, then the budget published between two phases."""
+def budget_part(ctx: ArmContext, k: int, budget: DraftBudget, phase: Phase, lead_s: float,
+                measure_s: float) -> dict[str, Any]:
+    """Part 2: one server of `ctx.setup`, the table, then the budget published between two
+    phases."""
+    setup = ctx.setup
     hardware = f"{ctx.hardware}.budget"
     key = TableKey(setup.served_name, setup.drafter, hardware)
     engine_id = "ngram-ab-budget"
@@ -119,10 +121,8 @@ def budget_part(ctx: ArmContext, setup: ModelSetup, k: int, budget: DraftBudget,
                              created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
 
     publish(ctx.settings, envelope(1, None))
-    env = {**engine_environment(ctx.cache_dir, setup.kv_cache_gb), **dict(setup.engine_env),
-           "TABLETUNE_BOOTSTRAP": ctx.bootstrap, "TABLETUNE_SINK": f"kafka://{ctx.bootstrap}",
-           "TABLETUNE_ENGINE_ID": engine_id, "TABLETUNE_HARDWARE": hardware}
-    server = Server(setup, startup, free_port(), env, run_dir / "server.log")
+    server = Server(setup, startup, free_port(), arm_environment(ctx, setup, (engine_id, hardware)),
+                    run_dir / "server.log")
     speed = ctx.speeds.get(phase.name)
     seconds = phase_seconds(lead_s, measure_s, speed)
     names = ("table", "budget")
@@ -245,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.monotonic() - t0:5.0f} s] budget", file=sys.stderr, flush=True)
             phase = phases[-1] if args.quick else next(p for p in FULL_PHASES
                                                        if p.name == "high")
-            budget_result = budget_part(replace(base, setup=arms["proposer"]),
-                                        arms["proposer"], args.k, budget, phase,
-                                        args.lead_s, args.measure_s)
+            budget_result = budget_part(replace(base, setup=arms["proposer"]), args.k, budget,
+                                        phase, args.lead_s, args.measure_s)
     result = {"command": "python -m bench.serving_ngram_ab" + (" --quick" if args.quick else
                                                                f" --k {args.k}"),
               "k": args.k, "lookup": args.lookup, "model": arms["stock"].served_name,

@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from producers.identity import drafter_name
 from producers.proposer_link import PROPOSER_CLASS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,13 +50,9 @@ class ModelSetup:
     @property
     def drafter(self) -> str:
         """The drafter as the hook names it in the table key (producers.vllm)."""
-        method = str(self.speculative["method"])
         model = self.speculative.get("model")
-        if method == "custom_class":
-            return "ngram" if model == PROPOSER_CLASS else f"custom_class:{model}"
-        if model and method not in ("ngram", "suffix"):
-            return f"{method}:{os.path.basename(str(model).rstrip('/'))}"
-        return method
+        return drafter_name(str(self.speculative["method"]), model,
+                            tabletune_proposer=model == PROPOSER_CLASS)
 
 
 def engine_environment(cache_dir: Path, kv_cache_gb: int) -> dict[str, str]:

@@ -107,10 +107,10 @@ def derive_budget(cap_by_batch: Sequence[int], conditional_by_length: Sequence[A
 
     `cap_by_batch[B]`: the largest K at B (index 0 unused; the engine's startup K).
     `conditional_by_length[m]`: conditional acceptance per position of requests whose
-    lookup matched m tokens, for m = 0..M (entry 0 unused). `share[m]`: their share of decode requests. `k_values`: the
-    K an engine can run (its startup set; default all). `table_by_batch[B]`: the table's K,
-    which every matched request drafts at B unless the best K by length is predicted to
-    beat it by more than `min_gain`. A batch size joins the range below it when that
+    lookup matched m tokens, for m = 0..M (entry 0 unused). `share[m]`: their share of
+    decode requests. `k_values`: the K an engine can run (its startup set; default all).
+    `table_by_batch[B]`: the table's K, which every matched request drafts at B unless the
+    best K by length is predicted to beat it by more than `min_gain`. A batch size joins the range below it when that
     range's K by length is predicted within `MERGE_LOSS` of its own choice."""
     shares = np.asarray(share, dtype=np.float64)
     if shares.ndim != 1 or shares.size != len(conditional_by_length) or shares.size < 2:

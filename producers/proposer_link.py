@@ -17,32 +17,32 @@ from typing import Any
 
 PROPOSER_CLASS = "producers.ngram_proposer.TableTuneNgramProposer"
 """What `speculative_config["model"]` names with `"method": "custom_class"`."""
-HOOK_CLASS = "producers.vllm.TableTuneScheduler"
-"""What `--scheduler-cls` names to attach the hook."""
+
+
+def _speaks_marks(named: Any) -> bool:
+    """The class (or its dotted path, as vLLM's configs hold it) says `DRAFT_MARKS`: the
+    proposer marks its drafts, or the scheduler strips and cuts them."""
+    if isinstance(named, str):
+        module, _, name = named.rpartition(".")
+        try:
+            named = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    return getattr(named, "DRAFT_MARKS", False) is True
 
 
 def runs_tabletune_proposer(vllm_config: Any) -> bool:
-    """The engine's drafter is TableTune's n-gram proposer (or a subclass): the class vLLM
-    loads by name says so with `DRAFT_MARKS`."""
+    """The engine's drafter is TableTune's n-gram proposer (or a subclass)."""
     spec = vllm_config.speculative_config
-    if spec is None or spec.method != "custom_class":
-        return False
-    module, _, name = str(spec.model).rpartition(".")
-    try:
-        proposer = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return False
-    return getattr(proposer, "DRAFT_MARKS", False) is True
+    return spec is not None and spec.method == "custom_class" and _speaks_marks(str(spec.model))
 
 
 def drafts_are_marked(vllm_config: Any) -> bool:
-    """Both sides decide alike from the config: TableTune's proposer under the hook, with
-    synchronous scheduling (where vLLM hands the scheduler each step's drafts)."""
+    """Both sides decide alike from the config: TableTune's proposer under the hook (or a
+    subclass of either), with synchronous scheduling (where vLLM hands the scheduler each
+    step's drafts)."""
     scheduler = vllm_config.scheduler_config
-    hook = scheduler.scheduler_cls
-    hook_name = hook if isinstance(hook, str) else getattr(hook, "__module__", "") + "." + \
-        getattr(hook, "__qualname__", "")
-    return (runs_tabletune_proposer(vllm_config) and hook_name == HOOK_CLASS
+    return (runs_tabletune_proposer(vllm_config) and _speaks_marks(scheduler.scheduler_cls)
             and not scheduler.async_scheduling)
 
 

@@ -24,7 +24,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from controller.engine.table_switch import StagedTable, TableSwitch
-from producers.identity import EngineIdentity, default_engine_id
+from producers.identity import EngineIdentity, default_engine_id, drafter_name
 from producers.ngram_proposer import lookup_range_from_env
 from producers.proposer_link import (
     drafts_are_marked,
@@ -50,6 +50,9 @@ def first_step_seq() -> int:
 
 class TableTuneHook:
     """Mixin over vLLM's scheduler; state lives in `_tt_*` attributes to avoid clashes."""
+
+    DRAFT_MARKS = True
+    """It strips and cuts the marked drafts of TableTune's proposer (proposer_link)."""
 
     _tt_recorder: StepRecorder | None
     _tt_switch: TableSwitch | None
@@ -86,7 +89,7 @@ class TableTuneHook:
         max_num_seqs = config.scheduler_config.max_num_seqs
         max_k = int(getattr(self, "num_spec_tokens", 0) or 0)
         lookup = getattr(self, "dynamic_sd_lookup", None)
-        budgets = budget_support(config, self._tt_async)
+        budgets = budget_support(config, self._tt_marked)
         if lookup is not None:
             startup = DraftTable.from_dense(list(lookup))
             self._tt_switch = TableSwitch(startup, max_k=max_k, max_batch=max_num_seqs,
@@ -268,22 +271,25 @@ class TableTuneAsyncScheduler(TableTuneHook, AsyncScheduler):
 class TableTuneScheduler:
     """What users attach: builds the hook over the scheduler the final config asks for."""
 
+    DRAFT_MARKS = True
+    """What it builds strips and cuts the marked drafts of TableTune's proposer."""
+
     def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         if vllm_config.scheduler_config.async_scheduling:
             return TableTuneAsyncScheduler(vllm_config, *args, **kwargs)
         return TableTuneSyncScheduler(vllm_config, *args, **kwargs)
 
 
-def budget_support(vllm_config: Any, async_scheduling: bool) -> tuple[int, str]:
+def budget_support(vllm_config: Any, marked: bool) -> tuple[int, str]:
     """(the switch's max match length, what the engine log says of budgets). Budgets need
-    TableTune's n-gram proposer and synchronous scheduling, under which vLLM hands the
-    scheduler each step's drafts with their request ids."""
+    the drafts marked with their match lengths (`drafts_are_marked`): TableTune's n-gram
+    proposer, under synchronous scheduling."""
+    if marked:
+        low, high = lookup_range_from_env()
+        return high, f"on where published (TableTune's n-gram proposer, lookup {low}..{high})"
     if not runs_tabletune_proposer(vllm_config):
         return 0, "off, the drafter is not TableTune's n-gram proposer: tables apply"
-    if async_scheduling:
-        return 0, "off under async scheduling (--no-async-scheduling turns them on): tables apply"
-    low, high = lookup_range_from_env()
-    return high, f"on where published (TableTune's n-gram proposer, lookup {low}..{high})"
+    return 0, "off under async scheduling (--no-async-scheduling turns them on): tables apply"
 
 
 def start_table_feed(settings: Settings, identity: EngineIdentity, switch: TableSwitch,
@@ -315,15 +321,11 @@ def engine_identity(vllm_config: Any) -> EngineIdentity:
     spec = vllm_config.speculative_config
     if spec is None:
         drafter = "none"
-    elif spec.method == "custom_class":
-        # TableTune's proposer drafts as vLLM's n-gram does, so it shares n-gram keys
-        drafter = ("ngram" if runs_tabletune_proposer(vllm_config)
-                   else f"custom_class:{spec.model}")
     else:
-        drafter = str(spec.method)
-        draft_model = getattr(getattr(spec, "draft_model_config", None), "model", None)
-        if draft_model and drafter not in ("ngram", "suffix"):
-            drafter = f"{drafter}:{os.path.basename(str(draft_model).rstrip('/'))}"
+        draft_model = (spec.model if spec.method == "custom_class" else
+                       getattr(getattr(spec, "draft_model_config", None), "model", None))
+        drafter = drafter_name(str(spec.method), draft_model,
+                               tabletune_proposer=runs_tabletune_proposer(vllm_config))
     return EngineIdentity(
         engine_id=default_engine_id(),
         model=model.replace("|", "_"),

@@ -43,6 +43,24 @@ class RawStep:
     verifies (proposed at the step before), in one order."""
 
 
+SampledDecode = tuple[str, int, int, int, int]
+"""(request id, tokens generated before the step, context, drafts verified, tokens sampled)."""
+
+
+def sampled_decodes(raw: RawStep, decoding: list[tuple[str, int, int]]) -> list[SampledDecode]:
+    """The decoding requests `build_step_fields` sorted out, (request id, tokens generated
+    before the step, context), that sampled this step, with their drafts and samples."""
+    drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
+    lengths, index_of = raw.sampled_lengths, raw.req_id_to_index
+    out = []
+    for req_id, outputs, tokens in decoding:
+        index = index_of.get(req_id)
+        if index is None or index >= len(lengths) or not lengths[index]:
+            continue  # sampled nothing this step
+        out.append((req_id, outputs, tokens, len(drafts_of.get(req_id, ())), lengths[index]))
+    return out
+
+
 class VllmRequests:
     """vLLM's request ids on a `RequestLedger` (which keys requests by number): a request is
     numbered when it first decodes and handed over when vLLM lists it as finished (or
@@ -54,25 +72,18 @@ class VllmRequests:
         self._next = itertools.count()
         self._gone: list[int] = []
 
-    def observe(self, raw: RawStep, decoding: list[tuple[str, int, int]]) -> None:
-        """This step's decoding requests as `build_step_fields` sorted them: (request id,
-        tokens generated before the step, context)."""
-        drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
-        lengths, index_of = raw.sampled_lengths, raw.req_id_to_index
+    def observe(self, decodes: list[SampledDecode]) -> None:
+        """This step's decoding requests that sampled (`sampled_decodes`)."""
         numbers, generated, drafted, accepted, emitted, context = [], [], [], [], [], []
-        for req_id, outputs, tokens in decoding:
-            index = index_of.get(req_id)
-            if index is None or index >= len(lengths) or not lengths[index]:
-                continue  # sampled nothing this step
+        for req_id, outputs, tokens, drafts, sampled in decodes:
             number = self._numbers.get(req_id)
             if number is None:
                 number = self._numbers[req_id] = next(self._next)
-            drafts = len(drafts_of.get(req_id, ()))
             numbers.append(number)
             generated.append(outputs)
             drafted.append(drafts)
-            accepted.append(min(lengths[index] - 1, drafts))
-            emitted.append(lengths[index])
+            accepted.append(min(sampled - 1, drafts))
+            emitted.append(sampled)
             context.append(tokens)
         self.ledger.observe(numbers, generated=generated, drafted=drafted, accepted=accepted,
                             emitted=emitted, context=context)
@@ -139,11 +150,13 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
         elif scheduled:
             decoding.append((req_id, outputs, computed + scheduled))
         context_lengths.append(computed + scheduled)
+    decodes = (sampled_decodes(raw, decoding)
+               if requests is not None or raw.draft_match is not None else [])
     if requests is not None:
-        requests.observe(raw, decoding)
+        requests.observe(decodes)
     by_match: np.ndarray | tuple[()] = ()
-    if raw.draft_match is not None and decoding:
-        by_match = acceptance_by_match_length(raw, decoding)
+    if raw.draft_match is not None and decodes:
+        by_match = acceptance_by_match_length(raw.draft_match, decodes, raw.max_positions)
 
     kv_tokens = sum(context_lengths)
     previous = raw.previous_update_start_s
@@ -172,29 +185,25 @@ def build_step_fields(raw: RawStep, requests: VllmRequests | None = None
     }
 
 
-def acceptance_by_match_length(raw: RawStep, decoding: list[tuple[str, int, int]]
+def acceptance_by_match_length(draft_match: tuple[list[str], list[int]],
+                               decodes: list[SampledDecode], max_positions: int
                                ) -> np.ndarray | tuple[()]:
-    """`match_length_rows` over the step's decoding requests that sampled and whose draft
-    was looked up (a request drafting nothing after a miss counts at length 0)."""
-    assert raw.draft_match is not None
-    req_ids, lengths = raw.draft_match
+    """`match_length_rows` over the step's sampled decodes whose draft was looked up (a
+    request drafting nothing after a miss counts at length 0)."""
+    req_ids, lengths = draft_match
     length_of = dict(zip(req_ids, lengths, strict=False))
-    drafts_of = raw.scheduler_output.scheduled_spec_decode_tokens
-    sampled, index_of = raw.sampled_lengths, raw.req_id_to_index
     matched, drafted, accepted = [], [], []
-    for req_id, _, _ in decoding:
+    for req_id, _, _, drafts, sampled in decodes:
         length = length_of.get(req_id, -1)
-        index = index_of.get(req_id)
-        if length < 0 or index is None or index >= len(sampled) or not sampled[index]:
+        if length < 0:
             continue
-        drafts = len(drafts_of.get(req_id, ()))
         matched.append(length)
         drafted.append(drafts)
-        accepted.append(min(sampled[index] - 1, drafts))
+        accepted.append(min(sampled - 1, drafts))
     if not matched:
         return ()
     return match_length_rows(np.array(matched), np.array(drafted), np.array(accepted),
-                             raw.max_positions)
+                             max_positions)
 
 
 def step_latency_s(raw: RawStep) -> float:

@@ -32,9 +32,10 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
 def markdown(results: dict[str, Any]) -> str:
     spec = results["spec"]
     policies = [p for p in ADAPTIVE if p in spec["policies"]]
-    columns = policies + [TABLE_ALONE] * any(
-        TABLE_ALONE in load["scores"] for grid in results["grids"].values()
-        for load in grid["loads"])
+    columns = list(policies)
+    if any(TABLE_ALONE in load["scores"] for grid in results["grids"].values()
+           for load in grid["loads"]):  # the lookup grids ran TableTune's table alone too
+        columns.append(TABLE_ALONE)
     lines = [f"## Suite: every policy side by side on the twin ({results['suite']})", ""]
     lines += _preamble(results)
     lines += ["", "### Ratio to the per-load best fixed K (mean / worst over the grid's loads)",

@@ -41,15 +41,19 @@ def lookup(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+HOOK = "producers.vllm.TableTuneScheduler"
+"""`--scheduler-cls` as users give it."""
+
+
 def propose(spec: dict[str, Any]) -> dict[str, Any]:
     from producers.ngram_proposer import TableTuneNgramProposer
-    from producers.proposer_link import HOOK_CLASS, PROPOSER_CLASS
+    from producers.proposer_link import PROPOSER_CLASS
 
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=spec["k"],
                                            method="custom_class", model=PROPOSER_CLASS),
         model_config=SimpleNamespace(max_model_len=spec["max_model_len"]),
-        scheduler_config=SimpleNamespace(scheduler_cls=HOOK_CLASS if spec["hook"] else None,
+        scheduler_config=SimpleNamespace(scheduler_cls=HOOK if spec["hook"] else None,
                                          async_scheduling=False))
     proposer = TableTuneNgramProposer(config)
     rows = spec["rows"]

@@ -12,7 +12,10 @@ first 2 minutes: recovery = (tabletune - stale) / (best fixed K - stale). Also t
 re-profile's canary cost: how much less the canary engine emitted than the others while it
 was forced, as a share of the fleet's output over the phase. `whole_phase` scores the same
 from each phase's first second, against that span's own best fixed K, so that the time the
-loop takes to react is counted too.
+loop takes to react is counted too. `run` scores the whole run the same way (pooled over the
+engines, every second from the first, against the per-phase best and the best single fixed
+K, as bench.swing does in memory), and `reprofiles` lists each re-profile with its phase,
+flagged where that phase's traffic ran before.
 
 With --failover, two `tabletune control` replicas share the key through their group, and the
 one that owns it is killed with -9 `--kill-after-s` wall seconds into its first re-profile:
@@ -36,6 +39,8 @@ import numpy as np
 
 from bench.common import emit
 from bench.controller_bench import SETTLE_S, window_rate
+from bench.swing import reprofiles
+from bench.swing_account import account
 from controller.fleet.decisions import Decision
 from schemas import DraftTable
 from schemas.settings import Settings
@@ -161,7 +166,36 @@ def recovery(name: str, seed: int, engines: int, speedup: float,
             "failover": failover,
             "decisions": {what: sum(1 for d in decisions if d.what == what)
                           for what in learning},
+            "reprofiles": reprofiles(base, [dataclasses.replace(d, t_s=d.t_s - epoch_s)
+                                            for d in decisions]),
+            "run": _whole_run(summaries, fixed, in_memory),
             "phases": rows}
+
+
+def _whole_run(summaries: list[dict[str, Any]], fixed: list[dict[int, Any]],
+               in_memory: list[Any]) -> dict[str, Any]:
+    """Every second counted, pooled over the engines: the fleet and in memory against the
+    per-phase best fixed K and the best single fixed K, over the whole run."""
+    timelines = {f"fixed:{k}": _pooled([runs[k].timeline for runs in fixed]) for k in fixed[0]}
+    timelines["fleet"] = _pooled([s["timeline"] for s in summaries])
+    timelines["in_memory"] = _pooled([run.timeline for run in in_memory])
+    spans = [(p["name"], p["start_s"], p["end_s"]) for p in summaries[0]["phases"]]
+    fixed_names = [f"fixed:{k}" for k in fixed[0]]
+    fleet = account(timelines, spans, fixed=fixed_names, policy="fleet")
+    memory = account(timelines, spans, fixed=fixed_names, policy="in_memory")
+    return {"fleet": fleet["run"], "in_memory": memory["run"],
+            "phases": [{"name": f["name"], "best_fixed": f["best_fixed"],
+                        "fleet": f["vs_phase_best"], "in_memory": m["vs_phase_best"]}
+                       for f, m in zip(fleet["phases"], memory["phases"], strict=True)]}
+
+
+def _pooled(timelines: list[Any]) -> list[list[float]]:
+    """The engines' 10 s timelines summed bucket by bucket (they share the virtual clock)."""
+    total: dict[float, float] = {}
+    for timeline in timelines:
+        for t, rate in timeline:
+            total[float(t)] = total.get(float(t), 0.0) + float(rate)
+    return [[t, total[t]] for t in sorted(total)]
 
 
 def _window(start: float, end: float, fixed: list[dict[int, Any]], stale_runs: list[Any],
@@ -185,6 +219,26 @@ def _window(start: float, end: float, fixed: list[dict[int, Any]], stale_runs: l
         "fleet_vs_best_fixed": round(fleet_rate / rates[best], 4),
         "in_memory_vs_best_fixed": round(memory_rate / rates[best], 4),
     }
+
+
+def run_markdown(results: list[dict[str, Any]]) -> str:
+    """Over the whole run, every second counted: fleet and in memory against the per-phase
+    best fixed K; each phase's ratio; the re-profiles and which came on a return."""
+    lines = ["| scenario | seed | engines | fleet / per-phase best | in memory / per-phase best "
+             "| fleet / best single K | per phase, fleet (in memory) | re-profiles (on a return) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for result in results:
+        run = result["run"]
+        phases = ", ".join(f"{p['fleet']:.3f} ({p['in_memory']:.3f})" for p in run["phases"])
+        returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s" for p in result["reprofiles"]
+                   if p["return"]]
+        lines.append(
+            f"| {result['scenario']} | {result['seed']} | {result['engines']} | "
+            f"{run['fleet']['vs_per_phase_best']:.3f} | "
+            f"{run['in_memory']['vs_per_phase_best']:.3f} | "
+            f"{run['fleet']['vs_best_single']:.3f} | {phases} | "
+            f"{len(result['reprofiles'])} ({', '.join(returns) or 'none'}) |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
@@ -230,7 +284,8 @@ def main() -> None:
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     emit("fleet_recovery", {"results": results}, args.out)
     if args.out:
-        Path(args.out, "fleet_recovery.md").write_text(markdown(results))
+        Path(args.out, "fleet_recovery.md").write_text(
+            markdown(results) + "\n" + run_markdown(results))
 
 
 if __name__ == "__main__":

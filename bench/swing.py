@@ -8,7 +8,9 @@ same traffic. Every phase is scored from its first second (bench/swing_account.p
 phase against its best fixed K, over the run against the per-phase best and the best single
 fixed K, and the headroom between those two. TableTune's step records also go to a sink
 that keeps each step's time and `forced` flag, for the share of forced steps (the loop's
-profile sweeps) after the cold profile, overall and over the worst 10 minutes.
+profile sweeps) after the cold profile, overall and over the worst 10 minutes. It also
+lists each re-profile with its phase, flagged where that phase's traffic ran before (a
+return), and counts the ranges of every table TableTune applied.
 """
 
 from __future__ import annotations
@@ -80,7 +82,32 @@ def swing(name: str, seed: int | None = None) -> dict[str, Any]:
             "first_table_s": round(first_table_s, 2), "tables_applied": len(applied),
             "forced": forced_share(ts, forced, after_s=first_table_s,
                                    end_s=summary.duration_s),
-            "decisions": _count(d.what for d in policy.loop.decisions)}
+            "decisions": _count(d.what for d in policy.loop.decisions),
+            "reprofiles": reprofiles(scenario, policy.loop.decisions),
+            "table_ranges": [len(table.ranges) for _, _, table in applied]}
+
+
+def _traffic(phase: Any) -> tuple[Any, ...]:
+    """What makes two phases the same traffic: everything but the name and the length."""
+    return dataclasses.astuple(dataclasses.replace(phase, name="", duration_s=1.0))
+
+
+def reprofiles(scenario: Any, decisions: Any) -> list[dict[str, Any]]:
+    """Each re-profile: when, in which phase, and whether that phase's traffic ran before
+    (a return, where the loop should need no new measurement)."""
+    starts = np.cumsum([0.0, *(p.duration_s for p in scenario.phases)])
+    found = []
+    for decision in decisions:
+        if decision.what != "reprofile":
+            continue
+        index = int(np.searchsorted(starts, decision.t_s, side="right")) - 1
+        index = min(max(index, 0), len(scenario.phases) - 1)
+        phase = scenario.phases[index]
+        seen = {_traffic(p) for p in scenario.phases[:index]}
+        found.append({"t_s": decision.t_s, "phase": phase.name or str(index + 1),
+                      "into_phase_s": round(decision.t_s - float(starts[index]), 1),
+                      "return": _traffic(phase) in seen})
+    return found
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -100,8 +127,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
                  for p in r["phases"]]
         lines.append(f"| {_stem(r)} | {r['seed']} | " + " | ".join(cells) + " |")
     lines += ["", "| scenario | TableTune tok/s | / per-phase best | / best single K | "
-              "headroom | forced steps (worst 10 min) | re-profiles |",
-              "|---|---|---|---|---|---|---|"]
+              "headroom | forced steps (worst 10 min) | re-profiles (on a return) | "
+              "ranges (most) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, forced = r["run"], r["forced"]
         single = run["best_single_fixed"].removeprefix("fixed:")
@@ -109,8 +137,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"| {_stem(r)} | {run['tok_s']['tabletune']:.0f} | "
             f"{_num(run['vs_per_phase_best'])} | {_num(run['vs_best_single'])} (K{single}) | "
             f"{_num(run['headroom'])} | {_pct(forced['share'])} "
-            f"({_pct(forced['worst_window_share'])}) | {r['decisions'].get('reprofile', 0)} |")
+            f"({_pct(forced['worst_window_share'])}) | {_reprofile_cell(r['reprofiles'])} | "
+            f"{max(r['table_ranges'], default=0)} |")
     return "\n".join(lines) + "\n"
+
+
+def _reprofile_cell(reprofiles: list[dict[str, Any]]) -> str:
+    returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s" for p in reprofiles if p["return"]]
+    return f"{len(reprofiles)} ({', '.join(returns) or 'none'})"
 
 
 def _stem(result: dict[str, Any]) -> str:

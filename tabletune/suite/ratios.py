@@ -77,6 +77,15 @@ def grid_ratios(loads: Sequence[Scores], *, fixed: Sequence[str],
             "best_single_fixed": single, "policies": out}
 
 
+def curve_changes(oracles: Sequence[Mapping[str, Any]]) -> int | None:
+    """How often the best fixed K changes from one load to the next, in load order: a table
+    needs no more than this many ranges plus one (None when a load has no best K)."""
+    picks = [entry.get("policy") for entry in oracles]
+    if not picks or any(p is None for p in picks):
+        return None
+    return sum(1 for before, after in zip(picks[:-1], picks[1:], strict=True) if before != after)
+
+
 def window_rate(timeline: Sequence[Sequence[float]], start_s: float, end_s: float) -> float | None:
     """Mean output tokens/s of the 10 s timeline buckets that start in [start_s, end_s)."""
     points = [rate for t, rate in timeline if start_s <= t < end_s]

@@ -7,7 +7,7 @@ from typing import Any
 
 from tabletune.suite.grid import ADAPTIVE, BASELINES, TABLE_ALONE
 from tabletune.suite.machine import describe
-from tabletune.suite.ratios import MIN_STALE_LOSS
+from tabletune.suite.ratios import MIN_STALE_LOSS, curve_changes
 
 DASH = "—"
 
@@ -64,6 +64,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += _table(["grid", "vs best single fixed K", *(f"vs {b}" for b in baselines)],
                         rows)
     lines += _per_load(results)
+    lines += _ranges(results)
     lines += _drift(results, policies)
     lines += _profile(results)
     lines += _standalone(results)
@@ -117,6 +118,31 @@ def _per_load(results: dict[str, Any]) -> list[str]:
             rows.append([name, *cells])
         lines += _table(["grid", *labels], rows)
     return lines
+
+
+def _ranges(results: dict[str, Any]) -> list[str]:
+    """TableTune's published tables against the per-load best K: a table needs no more ranges
+    than that curve has changes plus one; more is K flickering where the data does not ask."""
+    rows = []
+    for name, grid in results["grids"].items():
+        counts = [(max(run["table_ranges"]), load["label"]) for load in grid["loads"]
+                  for run in [load["runs"].get("tabletune", {})] if run.get("table_ranges")]
+        if not counts:
+            continue
+        changes = curve_changes(grid["ratios"]["oracle"])
+        most, where = max(counts)
+        over = DASH if changes is None else str(sum(1 for c, _ in counts if c > changes + 1))
+        rows.append([name, " ".join(_k(e["policy"]) for e in grid["ratios"]["oracle"]),
+                     DASH if changes is None else str(changes), f"{most} ({where})", over,
+                     str(len(counts))])
+    if not rows:
+        return []
+    return ["", "### Table ranges: TableTune's tables against the best-K-per-load curve", "",
+            "The most ranges in any table TableTune applied at a load, against the changes in "
+            "the grid's best fixed K from load to load (a table needs at most one more range "
+            "than that).", "",
+            *_table(["grid", "best K per load", "changes", "most ranges (load)",
+                     "loads over changes + 1", "loads"], rows)]
 
 
 def _drift(results: dict[str, Any], policies: list[str]) -> list[str]:

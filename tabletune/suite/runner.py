@@ -114,6 +114,7 @@ def _run_policy(scenario: Scenario | str | Path, spec: str) -> tuple[Any, dict[s
     if applied:  # TableTune: when its first fitted table went live (virtual s)
         extra["first_table_s"] = round(float(applied[0][0]), 2)
         extra["tables_applied"] = len(applied)
+        extra["table_ranges"] = [len(table.ranges) for _, _, table in applied]
     return summary, extra
 
 

@@ -7,6 +7,7 @@ import pytest
 from tabletune.suite.collect import score
 from tabletune.suite.ratios import (
     best_single_fixed,
+    curve_changes,
     drift_phase,
     grid_ratios,
     oracle,
@@ -25,6 +26,17 @@ def test_oracle_is_the_best_fixed_k_per_load():
     assert oracle(LOADS[0], FIXED) == ("fixed:1", 200.0)
     assert oracle(LOADS[1], FIXED) == ("fixed:0", 300.0)
     assert oracle({"fixed:0": None, "a": 5.0}, FIXED) == (None, None)
+
+
+def test_curve_changes_counts_where_the_best_k_moves_from_load_to_load():
+    def curve(*policies):
+        return [{"policy": p, "score": 1.0} for p in policies]
+
+    assert curve_changes(curve("fixed:7", "fixed:7", "fixed:5", "fixed:5", "fixed:2")) == 2
+    assert curve_changes(curve("fixed:3")) == 0
+    # A-B-A counts twice: the curve itself turns back
+    assert curve_changes(curve("fixed:3", "fixed:4", "fixed:3")) == 2
+    assert curve_changes(curve("fixed:3", None)) is None
 
 
 def test_best_single_fixed_is_best_mean_ratio_not_best_mean_rate():

@@ -106,6 +106,9 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     assert "| grid | loads | best single fixed K | vllm-doc | tabletune |" in section
     assert "| sharegpt-eagle/closed | c=2 … c=32 (2) |" in section
     assert "### Drift: stale-loss recovery" in section and "Test CPU" in section
+    ranges = [max(load["runs"]["tabletune"]["table_ranges"]) for load in closed["loads"]]
+    assert all(count >= 1 for count in ranges)
+    assert f"| {max(ranges)} (" in section.split("### Table ranges")[1]
     text = benchmarks.read_text()
     assert text.startswith("# Benchmarks\n\nhand-written\n\n" + BEGIN)
     assert text.endswith(END + "\n") and section.strip() in text

@@ -10,6 +10,8 @@ SWINGS = {
     "swing-eagle-load.toml": ("eagle", lambda p: p.concurrency, (16, 128)),
     "swing-ngram-workload.toml": ("ngram", lambda p: p.trace.rsplit("/", 1)[-1],
                                   ("gsm8k.jsonl", "instructcoder.jsonl")),
+    "swing-ngram-lookup.toml": ("ngram", lambda p: p.trace.rsplit("/", 1)[-1],
+                                ("gsm8k.jsonl", "instructcoder.jsonl")),
 }
 
 
@@ -27,6 +29,14 @@ def test_swing_scenario_swings_eight_times_three_minutes(name):
         assert phase.acceptance and phase.prompt_len > 0 and phase.output_len > 0
     if method == "ngram":
         assert {p.concurrency for p in scenario.phases} == {32}
+
+
+def test_the_lookup_swing_drafts_for_real_the_recorded_one_does_not():
+    lookup = load_scenario(BUILTIN_SCENARIOS / "swing-ngram-lookup.toml")
+    recorded = load_scenario(BUILTIN_SCENARIOS / "swing-ngram-workload.toml")
+    assert lookup.drafter.prompt_lookup == (1, 4)
+    assert recorded.drafter.prompt_lookup is None
+    assert lookup.phases == recorded.phases
 
 
 @pytest.mark.parametrize("name", sorted(SWINGS))

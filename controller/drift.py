@@ -248,6 +248,25 @@ class DriftDetector:
             self._fit_chunks = len(chunks)
         self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
 
+    @property
+    def since_s(self) -> float:
+        """When the active table's watch began (its activation, or the last `rereference`)."""
+        return self._since_s
+
+    def rereference(self, now_s: float) -> None:
+        """The table stays after a drift its own steps showed in full (acceptance rose where
+        it drafts the largest K): learn its new miss as the reference from `now_s`, with no
+        misfit check, so that the detector watches for the next change, not this one again
+        every `renotify_s`."""
+        if self._latency is None:
+            return
+        self._window.clear()
+        self._since_s = now_s
+        self._ref_stats = np.zeros(_STATS)
+        self._ref_chunks = []
+        self._misfit_factor = math.inf
+        self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
+
     def after_sweep(self, now_s: float) -> None:
         """A sweep over every K just measured the regime: raise the bars for a while (see
         `DriftConfig.after_sweep_factor`)."""

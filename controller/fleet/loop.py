@@ -168,6 +168,9 @@ class ClosedLoop:
         self._table_regime: Regime | None = None
         """The regime the fleet's table was fitted on (a sweep's or a recall's), which a
         drift away from it never recalls."""
+        self._left_regime = False
+        """A drift away from `_table_regime` recalled nothing: the next table the loop
+        publishes is fitted on other traffic, and that regime may be recalled again."""
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
@@ -338,11 +341,29 @@ class ClosedLoop:
         if report.signal == "latency":
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
-            if not self._recall(report.version, now_s):
-                self._start_reprofile(now_s, hidden=Hidden.of(report.signal,
-                                                              report.magnitude))
+            if self._recall(report.version, now_s):
+                return
+            hidden = Hidden.of(report.signal, report.magnitude)
+            watched_s = max(now_s - self.config.drift.window_s, self.drift.since_s)
+            if (hidden is Hidden.ACCEPTANCE and self.planner.probes(now_s)
+                    and self.planner.ran_largest_k(now_s, since_s=watched_s)):
+                self._settle_at_largest_k(now_s)
+            else:
+                self._start_reprofile(now_s, hidden=hidden)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _settle_at_largest_k(self, now_s: float) -> None:
+        """Acceptance rose where a one-engine key's table drafts the largest K: its steps
+        censor no position, so a probe would only repeat them (an InstructCoder phase's
+        recalled table at K7, called stale 22 s after its recall by a reference 20% above
+        the regime's sweep, was probed 6 s for a 0.3% gain). The next refit reads the
+        settled steps as after a fall, and the detector learns the new level as its
+        reference instead of reporting the same drift every minute."""
+        self._decisions.note(now_s, What.SETTLE_REFIT,
+                             reason="acceptance rose where the table drafts the largest K")
+        self.drift.rereference(now_s)
+        self._next_refit_s = now_s + self.config.reprofile_settle_s
 
     def _unmeasured_probed(self, records: pa.Table, now_s: float) -> bool:
         """A one-engine key whose steps since the last refit ran past the drift detector's
@@ -373,10 +394,14 @@ class ClosedLoop:
         if (stale_version == self._recalled_version
                 and now_s - self._recalled_s < RECALL_TRUST_S):
             return False
-        signature = Signature.of(self.window.window(now_s, since_s=now_s - SIGNATURE_S))
-        regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold,
-                                     stale=self._table_regime)
-        if regime is None or signature is None:
+        for span_s in SIGNATURE_S:
+            signature = Signature.of(self.window.window(now_s, since_s=now_s - span_s))
+            regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold,
+                                         stale=self._table_regime)
+            if regime is not None and signature is not None:
+                break
+        else:
+            self._left_regime = True
             return False
         distance = regime.signature.distance(signature) or (0.0, 0.0)
         self._decisions.note(now_s, What.RECALL, batch_size=round(signature.batch, 1),
@@ -388,7 +413,7 @@ class ClosedLoop:
                     steps_since_s=regime.steps_since_s, recalled=regime)
         self._recalled_version = self.agent.state.desired_version
         self._recalled_s = now_s
-        self._table_regime = regime
+        self._table_regime, self._left_regime = regime, False
         return True
 
     def _forget_if_moved(self, now_s: float) -> None:
@@ -434,7 +459,7 @@ class ClosedLoop:
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s)
             records = self.window.anchor
             signature = Signature.of(records)  # every K's blocks: a later table runs any K
-            self._table_regime = None
+            self._table_regime, self._left_regime = None, False
             if records is not None and signature is not None:
                 self._table_regime = self.regimes.remember(
                     Regime(signature, records, sweep.confirmed or None, steps_since_s, now_s,
@@ -518,6 +543,11 @@ class ClosedLoop:
                                  "confirmation ran the replaced table's K beside the new pick")
         self.publish(envelope, now_s, guard=reason not in UNWATCHED_REASONS and not vetted,
                      after_drift=reason == "stale")
+        if self._left_regime and recalled is None:
+            # fitted on the traffic the drift moved to: code recalled at 563 s, GSM8K's
+            # table fitted live at 750 s, and code's return at 958 s found its regime
+            # still barred as the one the table was fitted on (a 6 s probe instead)
+            self._table_regime, self._left_regime = None, False
         if reason in FOLLOWED_UP_REASONS and cfg.follow_up_s > 0:
             self._follow_up_s = now_s + cfg.follow_up_s
         return True

@@ -26,9 +26,12 @@ minute of one key's steps (a few MB at most)."""
 RECALL_TRUST_S = 90.0
 """A recalled table called stale this soon was a wrong match (the drift detector's reference
 and first window take about a minute): the next drift re-profiles instead."""
-SIGNATURE_S = 20.0
-"""Telemetry seconds whose steps sign the traffic at a drift: long enough for the first
-position's 200 drafts at one user, short enough to be past the change."""
+SIGNATURE_S = (20.0, 10.0, 5.0)
+"""Telemetry seconds whose steps sign the traffic at a drift, tried in turn until one
+matches a regime: 20 s holds the first position's 200 drafts at one user, but a drift
+called 11 s after a switch back (n-gram, 32 users) signs half the old traffic over 20 s
+and matched nothing; the last 10 or 5 s are the new traffic alone when they hold the
+drafts (`Signature.of` gives none without)."""
 MATCH_FACTOR = 2.0
 """A regime matches when the first position's acceptance at one K is within this many drift
 acceptance thresholds (30% at the default 0.15): the sweep's one-second blocks at a K read

@@ -168,6 +168,17 @@ class SweepPlanner:
                             probe_k=forced, probe_s=round(float(np.sum(lengths[1:])), 2))
         return True
 
+    def ran_largest_k(self, now_s: float, since_s: float) -> bool:
+        """Whether most of the table's own (unforced) steps since `since_s` drafted the
+        largest K: then no draft position is censored, and a probe at that K would show
+        only what they showed."""
+        records = self.window.window(now_s, since_s=since_s)
+        if records is None or not records.num_rows:
+            return False
+        own = ~records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
+        k = records.column("k").to_numpy()[own]
+        return bool(k.size) and float(np.median(k)) >= self.k_values[-1]
+
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),
         plan the confirmation when the sweep's blocks run out, extend a cold profile that

@@ -17,7 +17,7 @@ from controller.fleet.sweep import confirmation_k_values, first_position_accepta
 from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
-from twin import EngineConfig, PhaseConfig, Scenario, StaticTable, run_scenario
+from twin import EngineConfig, FixedK, PhaseConfig, Scenario, StaticTable, run_scenario
 from twin.config import CostConfig, DrafterConfig
 from twin.tabletune_policy import TabletunePolicy
 
@@ -27,6 +27,10 @@ NGRAM_CODE = (0.65, 0.93, 0.94, 0.95, 0.95)
 NGRAM_CHAT_TRACE = (0.2, 0.84, 0.87, 0.90, 0.91)
 """Chat whose first draft position accepts as rarely as the ShareGPT trace's does in the
 twin (0.25 of drafts, against 0.47-0.52 for InstructCoder): half of NGRAM_CHAT's."""
+NGRAM_POOR_CHAT = (0.1, 0.5, 0.6, 0.6, 0.6)
+"""Chat whose table drafts far below the largest K at 48 users (K1): code's rise in acceptance
+is then censored above the table's K, and the loop probes it (under NGRAM_CHAT the table
+already drafts K7, which censors nothing)."""
 CANARY_SWEEP = LoopConfig(probe_block_s=0.0)
 """The re-profile a fleet runs on its canaries (sweep, then confirmation), here on the one
 engine the twin has; by default a one-engine key probes instead."""
@@ -60,7 +64,8 @@ def test_planted_bad_table_is_rolled_back_within_60_s() -> None:
 
 
 def ngram_chat_to_code(code_s: float = 160, code_c8_s: float = 0, chat_again_s: float = 0,
-                       chat_again: tuple[float, ...] = NGRAM_CHAT) -> Scenario:
+                       chat_again: tuple[float, ...] = NGRAM_CHAT,
+                       chat: tuple[float, ...] = NGRAM_CHAT) -> Scenario:
     """n-gram, 48 users: chat-like acceptance for 70 s, then code-edit-like for `code_s`,
     then (if `code_c8_s`) the same code at 8 users, or (if `chat_again_s`) chat again."""
     code = PhaseConfig(name="code", duration_s=code_s, concurrency=48, acceptance=NGRAM_CODE,
@@ -74,7 +79,7 @@ def ngram_chat_to_code(code_s: float = 160, code_c8_s: float = 0, chat_again_s: 
                               acceptance=chat_again, prompt_len=355, output_len=728),)
     return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
                     drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5), phases=(
-        PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=NGRAM_CHAT,
+        PhaseConfig(name="chat", duration_s=70, concurrency=48, acceptance=chat,
                     prompt_len=355, output_len=728),
         code, *later))
 
@@ -250,7 +255,7 @@ def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
     """`follow_up_s` after the re-profile's table is staged the loop refits once more and
     publishes if the gain clears `follow_up_min_gain` alone; the periodic refits go on
     under their own bar, with no second follow-up until the next re-profile."""
-    scenario = ngram_chat_to_code(code_s=230)
+    scenario = ngram_chat_to_code(code_s=230, chat=NGRAM_POOR_CHAT)
     policy = TabletunePolicy()
     run_scenario(scenario, policy)
     policy.close()
@@ -458,13 +463,47 @@ def test_a_one_engine_key_whose_acceptance_fell_refits_without_forcing() -> None
     assert rate(tt, refit.t_s, 600.0) > 1.05 * rate(held, refit.t_s, 600.0), decisions
 
 
+def test_acceptance_rising_under_the_largest_k_is_settled_not_probed() -> None:
+    """Acceptance rises (0.8 to 0.97 a position) where the table already drafts K7, the
+    largest: its steps censor no position, so a probe at K7 would repeat them. The loop
+    refits on the settled steps instead, forces nothing, and its detector learns the new
+    level rather than calling the same drift stale every minute."""
+    def phase(name: str, acceptance: float) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=200, concurrency=16,
+                           acceptance=(acceptance,) * 7, prompt_len=128, output_len=256)
+
+    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=64),
+                        phases=(phase("high", 0.8), phase("higher", 0.97)))
+    policy, sink = TabletunePolicy(), MemorySink()
+    tt = run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    assert policy.loop.applied[0][2].k_for(16) == 7, policy.loop.applied
+    [stale] = [d for d in decisions if d.what == "stale"]
+    assert stale.t_s > 200.0 and stale.fields["signal"] == "acceptance"
+    assert stale.fields["magnitude"] > 0, stale
+    settle = next(d for d in decisions if d.t_s >= stale.t_s and d.what != "stale")
+    assert settle.what == "settle_refit", decisions
+    assert settle.fields["reason"] == "acceptance rose where the table drafts the largest K"
+    assert "reprofile" not in [d.what for d in decisions]
+    records = sink.table()
+    ts = records.column("ts_ns").to_numpy() / 1e9
+    forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
+    after = ts >= stale.t_s
+    assert forced[after].mean() <= policy.loop.config.exploration.share, forced[after].mean()
+    best = run_scenario(scenario, FixedK(7))
+    assert rate(tt, stale.t_s, 400.0) >= 0.98 * rate(best, stale.t_s, 400.0)
+
+
 def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> None:
     """Once the probes spent `probe_share` of the last ten minutes, a re-profile runs no
     block: it refits on the settling stretch alone."""
     config = LoopConfig(probe_share=0.005)  # 3 s in any ten minutes: one block
     code_again = PhaseConfig(name="code-again", duration_s=120, concurrency=48,
                              acceptance=NGRAM_CODE, prompt_len=171, output_len=262)
-    chat_then_code = ngram_chat_to_code(code_s=75, chat_again_s=75, chat_again=NGRAM_CHAT_TRACE)
+    chat_then_code = ngram_chat_to_code(code_s=75, chat_again_s=75, chat_again=NGRAM_POOR_CHAT,
+                                        chat=NGRAM_POOR_CHAT)
     # acceptance rises twice (chat -> code): a block is worth running each time
     scenario = dataclasses.replace(chat_then_code, phases=(*chat_then_code.phases, code_again))
     policy = TabletunePolicy(config)

@@ -14,7 +14,7 @@ from controller.status import StatusPublisher
 from controller.validation import EngineLimits
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey
 from schemas.control import new_control_id
-from tests.test_controller.test_closed_loop import EAGLE, ngram_chat_to_code
+from tests.test_controller.test_closed_loop import EAGLE, NGRAM_POOR_CHAT, ngram_chat_to_code
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
 from twin.tabletune_policy import TabletunePolicy
 
@@ -34,7 +34,7 @@ def first_table_version(policy: TabletunePolicy) -> int:
 def test_a_pin_holds_the_service_through_a_drift_and_an_unpin_lets_it_go_on() -> None:
     """Pinned at 50 s, the chat -> code drift at 70 s starts no re-profile: no force, no new
     version; the unpin at 150 s gives the loop back, and it moves the table."""
-    scenario = ngram_chat_to_code(code_s=200)
+    scenario = ngram_chat_to_code(code_s=200, chat=NGRAM_POOR_CHAT)  # code moves the table
     key = TableKey(scenario.engine.model, "ngram", scenario.engine.hardware)
     policy = TabletunePolicy()
     policy.plant(50.0, operator(key, "pin", 1))

@@ -32,6 +32,8 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -126,23 +128,38 @@ def canary_cost(fleet: dict[str, Any], decisions: list[Decision], epoch_s: float
             "fleet_output_lost_pct": round(100 * float(deficit) / total, 3)}
 
 
+def _in_memory(scenario: Scenario, policy: str) -> Any:
+    """One in-memory run: `fixed:K`, or `tabletune` (the loop in memory)."""
+    if policy == "tabletune":
+        loop = TabletunePolicy()
+        try:
+            return run_scenario(scenario, loop)
+        finally:
+            loop.close()
+    return run_scenario(scenario, FixedK(int(policy.removeprefix("fixed:"))))
+
+
 def recovery(name: str, seed: int, engines: int, speedup: float,
-             kill_after_s: float | None = None) -> dict[str, Any]:
+             kill_after_s: float | None = None, *, stale_rows: bool = True,
+             processes: int = 1) -> dict[str, Any]:
     base = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS / name), seed=seed)
     with tempfile.TemporaryDirectory() as work:
         fleet, decisions, epoch_s, failover = run_production(base, engines, speedup,
                                                              Path(work), kill_after_s)
     scenarios = [engine_scenario(base, i) for i in range(engines)]
     summaries = [fleet["engines"][s.engine.engine_id] for s in scenarios]
-    fixed = [{k: run_scenario(s, FixedK(k)) for k in range(s.engine.max_k + 1)}
-             for s in scenarios]
-    in_memory = []
-    for s in scenarios:
-        policy = TabletunePolicy()
-        in_memory.append(run_scenario(s, policy))
-        policy.close()
+    # the fleet's part is over: the in-memory runs are virtual time, and may share cores
+    policies = [*(f"fixed:{k}" for k in range(base.engine.max_k + 1)), "tabletune"]
+    jobs = [(i, p) for i in range(engines) for p in policies]
+    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+        done = list(pool.map(_in_memory, [scenarios[i] for i, _ in jobs],
+                             [p for _, p in jobs]))
+    runs = dict(zip(jobs, done, strict=True))
+    fixed = [{k: runs[i, f"fixed:{k}"] for k in range(base.engine.max_k + 1)}
+             for i in range(engines)]
+    in_memory = [runs[i, "tabletune"] for i in range(engines)]
     rows = []
-    for phase in summaries[0]["phases"][1:]:
+    for phase in summaries[0]["phases"][1:] if stale_rows else []:
         start, end = phase["start_s"] + SETTLE_S, phase["end_s"]
         stale = table_at(decisions, epoch_s, phase["start_s"])
         if stale is None:
@@ -274,13 +291,20 @@ def main() -> None:
                         help="two control replicas; kill -9 the owner mid re-profile")
     parser.add_argument("--kill-after-s", type=float, default=3.0,
                         help="wall seconds into the first re-profile to kill the owner")
+    parser.add_argument("--no-stale", action="store_true",
+                        help="skip the per-phase recovery rows (each needs every engine's "
+                             "run under the stale table); the whole-run score stays")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="worker processes for the in-memory runs, after the fleet's")
     args = parser.parse_args()
     results = []
     for name in args.scenario:
         seeds = args.seeds or [load_scenario(BUILTIN_SCENARIOS / name).seed]
         for seed in seeds:
             results.append(recovery(name, seed, args.engines, args.speedup,
-                                    args.kill_after_s if args.failover else None))
+                                    args.kill_after_s if args.failover else None,
+                                    stale_rows=not args.no_stale,
+                                    processes=args.processes))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     emit("fleet_recovery", {"results": results}, args.out)
     if args.out:

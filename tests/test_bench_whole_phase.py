@@ -12,10 +12,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.fleet_recovery import _window
+from bench.fleet_recovery import _whole_run, _window
+from bench.swing import reprofiles
 from bench.swing_account import account, forced_share
 from tabletune.suite.ratios import drift_phase
 from tabletune.suite.report import _drift
+from twin import EngineConfig, PhaseConfig, Scenario
 
 SPANS = [{"name": "before", "start_s": 0.0, "end_s": 40.0, "output_tokens_per_s": 0},
          {"name": "after", "start_s": 40.0, "end_s": 80.0, "output_tokens_per_s": 0}]
@@ -64,6 +66,39 @@ def test_fleet_recovery_window_pools_engines_over_the_whole_phase():
     assert whole["fleet_tok_s"] == 140.0 and whole["fleet_vs_best_fixed"] == 0.7
     assert whole["fleet_recovery"] == 0.25 and whole["in_memory_recovery"] == 0.625
     assert whole["stale_loss_pct"] == 40.0
+
+
+def test_fleet_whole_run_pools_engines_bucket_by_bucket():
+    def run(*rates: float) -> SimpleNamespace:
+        return SimpleNamespace(timeline=timeline(*rates))
+
+    phases = [{"name": "a", "start_s": 0.0, "end_s": 20.0},
+              {"name": "b", "start_s": 20.0, "end_s": 40.0}]
+    fixed = [{0: run(100, 100, 10, 10), 1: run(40, 40, 50, 50)}] * 2
+    fleet = [{"timeline": timeline(50, 100, 20, 50), "phases": phases},
+             {"timeline": timeline(50, 100, 20, 50), "phases": phases}]
+    memory = [run(100, 100, 50, 50), run(100, 100, 50, 50)]
+    result = _whole_run(fleet, fixed, memory)
+    # per engine as in the swing account below; pooled, every rate doubles and ratios hold
+    assert result["fleet"]["tok_s"]["fleet"] == 110.0
+    assert result["fleet"]["vs_per_phase_best"] == pytest.approx(2200 / 3000, abs=1e-4)
+    assert result["in_memory"]["vs_per_phase_best"] == 1.0
+    assert [(p["best_fixed"], p["fleet"]) for p in result["phases"]] == [
+        ("fixed:0", 0.75), ("fixed:1", 0.7)]
+
+
+def test_reprofiles_are_placed_in_their_phase_and_flagged_on_a_return():
+    def phase(name: str, users: int) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=100, concurrency=users, acceptance=(0.7,))
+
+    scenario = Scenario(engine=EngineConfig(), phases=(
+        phase("low", 2), phase("high", 16), phase("low-again", 2)))
+    decisions = [SimpleNamespace(what=what, t_s=t_s) for what, t_s in (
+        ("reprofile", 130.0), ("stale", 210.0), ("reprofile", 250.0))]
+    found = reprofiles(scenario, decisions)
+    assert found == [
+        {"t_s": 130.0, "phase": "high", "into_phase_s": 30.0, "return": False},
+        {"t_s": 250.0, "phase": "low-again", "into_phase_s": 50.0, "return": True}]
 
 
 def test_swing_account_every_second_per_phase_and_over_the_run():

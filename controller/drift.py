@@ -255,17 +255,20 @@ class DriftDetector:
 
     def rereference(self, now_s: float) -> None:
         """The table stays after a drift its own steps showed in full (acceptance rose where
-        it drafts the largest K): learn its new miss as the reference from `now_s`, with no
-        misfit check, so that the detector watches for the next change, not this one again
-        every `renotify_s`."""
-        if self._latency is None:
+        it drafts the largest K): learn its new miss, latency and acceptance, as the
+        reference from `now_s`, with no misfit check, so that the detector watches for the
+        next change, not this one again every `renotify_s`. Without a reference period
+        (`reference_s` = 0) there is nothing to relearn, and the report stays quiet until
+        `renotify_s` as any other."""
+        if self._latency is None or self.config.reference_s <= 0:
             return
         self._window.clear()
+        self._open = None
         self._since_s = now_s
         self._ref_stats = np.zeros(_STATS)
         self._ref_chunks = []
         self._misfit_factor = math.inf
-        self.state = DriftState.REFERENCE if self.config.reference_s > 0 else DriftState.WATCHING
+        self.state = DriftState.REFERENCE
 
     def after_sweep(self, now_s: float) -> None:
         """A sweep over every K just measured the regime: raise the bars for a while (see

@@ -169,8 +169,9 @@ class ClosedLoop:
         """The regime the fleet's table was fitted on (a sweep's or a recall's), which a
         drift away from it never recalls."""
         self._left_regime = False
-        """A drift away from `_table_regime` recalled nothing: the next table the loop
-        publishes is fitted on other traffic, and that regime may be recalled again."""
+        """An acceptance or load drift away from `_table_regime` recalled nothing: the next
+        table the loop fits and publishes (not recalled) reads the traffic it moved to, and
+        from then that regime may be recalled again."""
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
@@ -343,6 +344,9 @@ class ClosedLoop:
         if self.config.reprofile_on_stale:
             if self._recall(report.version, now_s):
                 return
+            # the traffic moved away from the table's regime (a latency drift need not):
+            # once a table fitted on it goes out, that regime may be recalled again
+            self._left_regime = report.signal != "latency"
             hidden = Hidden.of(report.signal, report.magnitude)
             watched_s = max(now_s - self.config.drift.window_s, self.drift.since_s)
             if (hidden is Hidden.ACCEPTANCE and self.planner.probes(now_s)
@@ -362,6 +366,7 @@ class ClosedLoop:
         reference instead of reporting the same drift every minute."""
         self._decisions.note(now_s, What.SETTLE_REFIT,
                              reason="acceptance rose where the table drafts the largest K")
+        self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s
 
@@ -390,7 +395,8 @@ class ClosedLoop:
     def _recall(self, stale_version: int, now_s: float) -> bool:
         """Traffic that a re-profile measured before (`RegimeMemory`): refit on that sweep and
         publish now, with no forced step. A recalled table called stale within
-        `RECALL_TRUST_S` was a wrong match: the re-profile measures what it missed."""
+        `RECALL_TRUST_S` was a wrong match: the loop measures what it missed (a probe, or a
+        settled refit where the table's steps hide nothing)."""
         if (stale_version == self._recalled_version
                 and now_s - self._recalled_s < RECALL_TRUST_S):
             return False
@@ -401,7 +407,6 @@ class ClosedLoop:
             if regime is not None and signature is not None:
                 break
         else:
-            self._left_regime = True
             return False
         distance = regime.signature.distance(signature) or (0.0, 0.0)
         self._decisions.note(now_s, What.RECALL, batch_size=round(signature.batch, 1),

@@ -25,6 +25,7 @@ from controller.fleet.sweep import (
     first_position_acceptance,
 )
 from controller.guardrail import Guardrail
+from controller.steps import StepColumns
 from controller.validation import EngineLimits
 from schemas import DraftTable
 
@@ -169,15 +170,19 @@ class SweepPlanner:
         return True
 
     def ran_largest_k(self, now_s: float, since_s: float) -> bool:
-        """Whether most of the table's own (unforced) steps since `since_s` drafted the
-        largest K: then no draft position is censored, and a probe at that K would show
-        only what they showed."""
+        """Whether most of the table's own decoding steps since `since_s` proposed the
+        largest K (`k_next`, forced steps and the steps verifying them left out): then no
+        draft position is censored, and a probe at that K would show only what they
+        showed. Never under a budget, where requests draft less than the table's K."""
+        envelope = self.publisher.agent.desired()
+        if envelope is not None and envelope.budget is not None:
+            return False
         records = self.window.window(now_s, since_s=since_s)
         if records is None or not records.num_rows:
             return False
-        own = ~records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
-        k = records.column("k").to_numpy()[own]
-        return bool(k.size) and float(np.median(k)) >= self.k_values[-1]
+        steps = StepColumns.from_records(records)
+        own = steps.table_steps() & (steps.decode_reqs > 0)
+        return bool(own.any()) and float(np.median(steps.k_next[own])) >= self.k_values[-1]
 
     def advance(self, now_s: float, *, profiling: bool) -> SweepProgress:
         """Run the block due at `now_s`: force its K (or release, for the settling stretch),

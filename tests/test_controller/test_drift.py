@@ -310,3 +310,28 @@ def test_under_a_budget_only_steps_of_one_forced_k_speak_for_the_table() -> None
                for s in range(40, 120)]
     assert all(r is None for r in quiet)
     assert [r.signal for r in shifted if r is not None][:1] == ["acceptance"]
+
+
+def test_a_rereferenced_table_learns_the_new_level_and_watches_for_the_next() -> None:
+    """Acceptance rises 30% and is reported; the loop keeps the table (its K showed every
+    position) and re-references: the same level is never reported again, not after
+    `renotify_s` either, while a further rise is."""
+    rng = np.random.default_rng(4)
+    detector = fresh()
+    assert feed(detector, rng, range(0, 40)) == []
+    [report] = feed(detector, rng, range(40, 80), acceptance_factor=1.3)
+    assert report.signal == "acceptance" and report.magnitude > 0
+    detector.rereference(80.0)
+    assert detector.state is DriftState.REFERENCE and detector.since_s == 80.0
+    assert feed(detector, rng, range(80, 260), acceptance_factor=1.3) == []
+    later = feed(detector, rng, range(260, 320), acceptance_factor=1.3 * 1.3)
+    assert [r.signal for r in later] == ["acceptance"]
+
+
+def test_without_a_reference_period_rereference_changes_nothing() -> None:
+    rng = np.random.default_rng(4)
+    detector = fresh(reference_s=0.0)
+    reports = feed(detector, rng, range(0, 50), acceptance_factor=1.3)
+    assert reports and detector.state is DriftState.STALE
+    detector.rereference(50.0)
+    assert detector.state is DriftState.STALE and detector.since_s == 0.0

@@ -83,7 +83,9 @@ def test_traffic_measured_again_keeps_the_k_values_it_was_read_at_before() -> No
 
 def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
-    re-profile; each return is recalled from the sweep that measured it."""
+    re-profile; each return is recalled from the sweep that measured it. The return to code
+    is called stale 11 s after the switch: its last 20 s sign half chat and match nothing,
+    its last 10 s match code (`regimes.SIGNATURE_S`)."""
     def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int) -> PhaseConfig:
         return PhaseConfig(name=name, duration_s=150, concurrency=32, acceptance=acceptance,
                            prompt_len=prompt, output_len=output)

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,7 +129,6 @@ def test_profile_through_the_openai_api_forces_each_cells_k(openai_server, broke
     the live server through the tables topic, its steps say so, and the end releases it."""
     import threading
 
-    from controller.fleet.table_log import read_topic
     from fitter.dataset import read_dataset
     from fitter.ingest import IngestConfig, Ingestor
     from schemas.settings import Settings
@@ -159,8 +159,7 @@ def test_profile_through_the_openai_api_forces_each_cells_k(openai_server, broke
         read_dataset(tmp_path / "parquet")["engine_id"] == PROFILE_ENGINE)
     ts_s = records["ts_ns"].to_numpy() * 1e-9  # a step's record is stamped at its end
     began_s = ts_s - records["step_latency_s"].to_numpy()
-    events = [m.value for m in read_topic(settings, settings.topics.status)]
-    mine = [json.loads(v) for v in events if PROFILE_ENGINE.encode() in v]
+    mine = _status_until_released(settings)
     forced_at = [dt.datetime.fromisoformat(e["at"]).timestamp() for e in mine
                  if e["event"] == "forced"]
     assert len(forced_at) == 3
@@ -175,3 +174,17 @@ def test_profile_through_the_openai_api_forces_each_cells_k(openai_server, broke
         steps = records.filter(inside)
         assert steps.height > 0
         assert steps["forced"].all() and set(steps["k_next"].unique()) == {run.cell.k}
+
+
+def _status_until_released(settings: Any) -> list[dict[str, Any]]:
+    """The profiled engine's status events, read again until its `released` is there (the
+    engine publishes them from its own thread, and a loaded broker's first fetch can come
+    after `read_topic`'s idle polls)."""
+    from controller.fleet.table_log import read_topic
+
+    deadline = time.monotonic() + 60.0
+    while True:
+        events = [m.value for m in read_topic(settings, settings.topics.status)]
+        mine = [json.loads(v) for v in events if PROFILE_ENGINE.encode() in v]
+        if (mine and mine[-1]["event"] == "released") or time.monotonic() > deadline:
+            return mine

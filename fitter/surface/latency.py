@@ -7,8 +7,7 @@ largest one runs eager and jumps. A sum of non-negative *segment ramps* over kno
 batched tokens (flat, knee, slope, several slopes) plus non-negative *steps* at the same
 knots (padding, the eager jump) represents all of these and is non-decreasing by
 construction; it is neither linear (the twin's H100 model is) nor convex, and no breakpoint
-is assumed: the knots come from the data (`place_knots`), and a step stays only where the
-data shows one (`STEP_Z`). Attention adds time per KV token
+is assumed: the knots come from the data (`place_knots`). Attention adds time per KV token
 (and per KV token per extra query position), the drafter adds a fixed launch cost when it
 runs plus a cost per draft pass, and per request it drafts for, once per step and once per
 pass (n-gram matching on the CPU, an EAGLE drafter's forward at the padded batch). Because batched tokens = decode_reqs + draft tokens +
@@ -64,13 +63,6 @@ does not make it known."""
 REQUEST_SPREAD = 2.0
 """Measured request counts at least this factor apart identify the per-request terms: the
 drift detector's coverage factor, the step at which a load counts as another."""
-STEP_Z = 2.0
-"""A fitted jump at a knot is kept when it stands this many standard errors above zero: a
-GPU's padding step over many steps stands far out, a few noisy cells' does not (a 16-user
-profile of 378 steps on a linear engine fitted 10-25 ms jumps at half an error each, and K
-flickered 7, 6, 7, 6, 7, 5 over batch sizes 8-16)."""
-MAX_STEP_ROUNDS = 6
-"""Refits that drop weak steps, half of them each time: 32 knots take five."""
 HEAVY_KNOT_SHARE = 0.02
 """A batched-token value with this share of the latency weight gets its own knot: a
 profile's 16 cells hold ~6% each, a refit's busy batch sizes a few percent."""
@@ -224,13 +216,11 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
     """
 
     def __init__(self, *, n_knots: int = 24, smoothness: float = 1e-6,
-                 huber_k: float = HUBER_EFFICIENCY_K, max_iter: int = 25,
-                 step_z: float = STEP_Z) -> None:
+                 huber_k: float = HUBER_EFFICIENCY_K, max_iter: int = 25) -> None:
         self.n_knots = n_knots
         self.smoothness = smoothness
         self.huber_k = huber_k
         self.max_iter = max_iter
-        self.step_z = step_z
 
     def fit(self, X: ArrayLike, y: ArrayLike,
             sample_weight: ArrayLike | None = None) -> StepLatencyModel:
@@ -238,7 +228,6 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         check_param("smoothness", self.smoothness, low=0.0)
         check_param("huber_k", self.huber_k, low=0.0, inclusive_low=False)
         check_param("max_iter", self.max_iter, low=1)
-        check_param("step_z", self.step_z, low=0.0)
         n_columns = np.shape(X)[1] if np.ndim(X) == 2 else len(LATENCY_COLUMNS)
         matrix = latency_matrix(X)
         if (matrix < 0).any():
@@ -263,17 +252,6 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         )
         result = robust_relative_nnls(design, target, weight, penalty=penalty,
                                       huber_k=float(self.huber_k), max_iter=int(self.max_iter))
-        dropped: list[int] = []
-        for _ in range(MAX_STEP_ROUNDS):  # the weakest half of the weak steps, each round
-            noise = self._noise_steps(result.coef, result.covariance, knots)
-            if not noise:
-                break
-            dropped += noise
-            design[:, noise] = 0.0
-            result = robust_relative_nnls(design, target, weight, penalty=penalty,
-                                          huber_k=float(self.huber_k),
-                                          max_iter=int(self.max_iter))
-        self.steps_dropped_ = len(dropped)
         self.knots_ = knots
         self.coef_ = result.coef
         self.coef_covariance_ = result.covariance
@@ -351,21 +329,6 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         if not self.drafter_on_observed_:
             unknown |= drafter_runs(matrix)
         return np.where(unknown, self.coef_[0] * UNIFORM_SD, 0.0)
-
-    def _noise_steps(self, coef: NDArray[np.float64], covariance: NDArray[np.float64],
-                     knots: NDArray[np.float64]) -> list[int]:
-        """The weaker half of the step columns whose jump stands under `step_z` standard
-        errors: a step is kept only where the data shows one, else noise between a few
-        cells makes a staircase that moves K between neighbouring batch sizes. Half at a
-        time, since a real step shares its error with the noisy ones beside it until they
-        are gone: dropped with them in one pass, a plateau's edge at 1,024 tokens went too,
-        and K6 took batch sizes 127-128, where K7 is 3.5% better."""
-        columns = np.arange(1 + knots.size, 2 * knots.size)
-        columns = columns[coef[columns] > 0]
-        se = np.sqrt(np.maximum(np.diag(covariance)[columns], 0.0))
-        z = coef[columns] / np.maximum(se, 1e-300)
-        weak = np.argsort(z)[: int(np.sum(z < self.step_z))]
-        return [int(c) for c in columns[weak[: max(1, (weak.size + 1) // 2)]]] if weak.size else []
 
     @staticmethod
     def _unidentified_columns(knots: NDArray[np.float64], both_seen: bool) -> list[int]:

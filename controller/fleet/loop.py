@@ -68,7 +68,7 @@ from controller.engine.agent import Mode, TableAgent
 from controller.fleet.channel import ControlChannel
 from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import Decision, DecisionLog, What
-from controller.fleet.key_fit import MIN_FIT_RECORDS, Fit, KeyFitter
+from controller.fleet.key_fit import Fit, KeyFitter, fittable
 from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
@@ -101,6 +101,11 @@ UNWATCHED_REASONS = frozenset({"profile", "recall"})
 recalled regime's table was watched when it was first measured."""
 FOLLOWED_UP_REASONS = frozenset({"stale", "recall"})
 """Refits followed by one on the live steps at their table (`LoopConfig.follow_up_s`)."""
+UNMEASURED_SPAN_S = 5.0
+"""A load is read over this much of the newest telemetry to be called unmeasured: long
+enough that a burst of arrivals is not a load, short beside a phase of traffic."""
+UNMEASURED_MIN_STEPS = 20
+"""... and over at least this many steps (a slow engine's 5 s at 16 requests hold 25)."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -174,6 +179,8 @@ class ClosedLoop:
         from then that regime may be recalled again."""
         self._follow_up_s: float | None = None
         """When the follow-up refit after a re-profile is due (None: none pending)."""
+        self._unmeasured_version = -1
+        """The table version whose load the loop last found unmeasured (`_unmeasured_load`)."""
         folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
         if current is not None or newest_version > 0 or folded:  # LIVE, with a refit due
             self.publisher.resume(current, newest_version, log)
@@ -329,7 +336,7 @@ class ClosedLoop:
             return
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
-        report = self.drift.observe(steps)
+        report = self.drift.observe(steps) or self._unmeasured_load(now_s)
         if report is not None:
             self._stale(report, now_s)
 
@@ -370,27 +377,32 @@ class ClosedLoop:
         self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s
 
-    def _unmeasured_probed(self, records: pa.Table, now_s: float) -> bool:
-        """A one-engine key whose steps since the last refit ran past the drift detector's
-        coverage factor times the load the running table's fit measured: its K there is a
-        guess, and so is a refit's. The detector's coverage signal waits for its window;
-        the refit that sees it first probes the load (decision `stale`, signal
-        `coverage`) instead of publishing a guess that, once published, the coverage
-        signal would no longer question (the real one -> sixteen -> one run: K0 published
-        for 14-16 requests, where K1 led by 15%, for the rest of the phase)."""
+    def _unmeasured_load(self, now_s: float) -> DriftReport | None:
+        """A one-engine key whose steps over the last `UNMEASURED_SPAN_S` ran past the drift
+        detector's coverage factor times the load the running table's fit measured
+        (`surface.measured_requests`): its K there is a guess, and so would a refit's be,
+        so the loop probes the load (signal `coverage`), once per table version. The
+        detector's own coverage signal counts steps over its minute-long window, where a
+        slow engine's few steps at the new load outnumbered the fast ones of the old only
+        30 s into the real one -> sixteen -> one run; a refit's guess, once published,
+        the signal no longer questions (there: K0 for 14-16 requests, where K1 led by
+        15%, for the rest of the phase)."""
         cfg = self.config
-        if not cfg.reprofile_on_stale or not self.planner.probes(now_s):
-            return False
-        recent = _latest_batch_sizes(records, cfg.refit_interval_s)
+        version = self.agent.state.desired_version
         measured = measured_requests(self.publisher.agent.desired())
-        if measured is None or not recent.size:
-            return False
+        if (measured is None or version == self._unmeasured_version
+                or not cfg.reprofile_on_stale or not self.planner.probes(now_s)):
+            return None
+        records = self.window.window(now_s, since_s=now_s - UNMEASURED_SPAN_S)
+        if records is None or records.num_rows < UNMEASURED_MIN_STEPS:
+            return None
+        recent = records.column("batch_size").to_numpy()
         past = cfg.drift.coverage_factor * max(measured, 1.0)
         if float(np.median(recent)) <= past:
-            return False
-        self._stale(DriftReport("coverage", float(np.mean(recent > past)), math.inf,
-                                int(recent.size), self.agent.state.desired_version), now_s)
-        return True
+            return None
+        self._unmeasured_version = version
+        return DriftReport("coverage", float(np.mean(recent > past)), math.inf,
+                           int(recent.size), version)
 
     def _recall(self, stale_version: int, now_s: float) -> bool:
         """Traffic that a re-profile measured before (`RegimeMemory`): refit on that sweep and
@@ -508,9 +520,7 @@ class ClosedLoop:
             records = self.window.window(now_s, since_s=min(steps_since_s,
                                                             records_since_s or steps_since_s))
             fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
-        if records is None or records.num_rows < MIN_FIT_RECORDS:
-            return True
-        if reason == "periodic" and self._unmeasured_probed(records, now_s):
+        if not fittable(records):
             return True
         version = self.agent.state.newest_version + 1
         envelope = self.fitter(records, fit_s, reason=reason, version=version,

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from controller.fleet.decisions import DecisionLog, What
 from controller.fleet.forced_budget import ForcedBudget
-from controller.fleet.key_fit import MIN_FIT_RECORDS, KeyFitter
+from controller.fleet.key_fit import MIN_FIT_RECORDS, KeyFitter, fittable
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import Publisher
 from controller.fleet.record_window import RecordWindow
@@ -51,7 +51,7 @@ price it there without a block (a probe's own block at it always does)."""
 
 PROBE_LONGEST_S = 120.0
 """A one-engine key's probe waits at most this long after the drift for its refit's
-MIN_FIT_RECORDS steps (a slow engine runs its table meanwhile, unforced); then the loop goes
+steps (`_probe_waits`; a slow engine runs its table meanwhile, unforced); then the loop goes
 LIVE and its periodic refits take over."""
 
 
@@ -257,9 +257,16 @@ class SweepPlanner:
 
     def _probe_waits(self, sweep: Sweep, now_s: float) -> bool:
         """A probe's refit reads the steps since the drift: a slow engine runs its table on
-        until they make a fit (at most PROBE_LONGEST_S)."""
-        return (self._records_held(sweep, now_s) < MIN_FIT_RECORDS
+        until they make a fit (`_probe_measured`, at most PROBE_LONGEST_S)."""
+        return (not self._probe_measured(sweep, now_s)
                 and now_s - sweep.started_s < PROBE_LONGEST_S)
+
+    def _probe_measured(self, sweep: Sweep, now_s: float) -> bool:
+        """Whether the steps since the drift make a fit (`key_fit.fittable`): counted in
+        steps alone, a 2-core CPU at 16 requests (4-5 steps a second) waited 30 s past its
+        probe's blocks with 16 times the drafts a fit needs, running the table the drift
+        called stale."""
+        return fittable(self.window.window(now_s, since_s=sweep.records_from_s))
 
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
         """Whether the probe climbs: blocks at the K a fit would run at the probe's load,
@@ -271,7 +278,7 @@ class SweepPlanner:
         sweep.climbs += 1
         since = self.window.window(now_s, since_s=sweep.records_from_s)
         records = self.window.fit_records(now_s)
-        if since is None or records is None or since.num_rows < MIN_FIT_RECORDS:
+        if since is None or records is None or not self._probe_measured(sweep, now_s):
             return False
         median = float(np.median(since.column("batch_size").to_numpy()))
         # what a periodic refit reads (the window and the last sweep's records); the

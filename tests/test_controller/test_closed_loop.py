@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from controller.drift import DriftConfig
 from controller.fleet.forced_budget import FORCED_WINDOW_S
+from controller.fleet.loop import UNMEASURED_SPAN_S
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
 from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS
@@ -156,12 +157,13 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     assert granted <= config.probe_share * FORCED_WINDOW_S + 1e-9  # the budget's ten minutes
 
 
-def test_a_periodic_refit_that_finds_the_load_unmeasured_probes_it() -> None:
-    """The load moved past what the running table's fit measured (16 -> 128 users), and a
-    periodic refit sees it before the drift detector (its coverage signal off here): the
-    refit calls the table stale and probes the load, where it would have published a
-    guess there that, once published, the coverage signal no longer questions."""
-    # the detector's coverage signal never fires: a coverage `stale` is the refit's
+def test_a_load_past_what_the_table_measured_is_probed_within_seconds() -> None:
+    """The load moved past what the running table's fit measured (16 -> 128 users): within
+    seconds of the jump, not at the drift detector's minute-long window (its coverage
+    signal off here) or at a periodic refit, the loop calls the table stale and probes the
+    load, before any refit publishes a guess there that, once published, the coverage
+    signal would no longer question."""
+    # the detector's coverage signal never fires: a coverage `stale` is the loop's own check
     config = LoopConfig(drift=DriftConfig(coverage_threshold=1.01))
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
         PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
@@ -175,6 +177,8 @@ def test_a_periodic_refit_that_finds_the_load_unmeasured_probes_it() -> None:
     after = [d for d in policy.loop.decisions if d.t_s > 90.0]
     stale = next(d for d in after if d.what == "stale")
     assert stale.fields["signal"] == "coverage" and stale.fields["z"] == 999.0, after
+    # the ramp to 128 users, then the check's span of steps (the 1 s ticks on top)
+    assert stale.t_s - 90.0 <= UNMEASURED_SPAN_S + 2.0, after
     assert not [d for d in after if d.what == "stage" and d.t_s <= stale.t_s], after
     reprofile = next(d for d in after if d.what == "reprofile")
     assert reprofile.t_s == stale.t_s and reprofile.fields["hidden"] == "cost", after
@@ -410,6 +414,11 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
               and reprofile.t_s < d.t_s <= refit.t_s]
     assert 1 <= len(climbs) <= PROBE_NEIGHBOURS, decisions
     climbed = [k for d in climbs for k in d.fields["probe_k"]]
+    # the steps since the drift hold a fit's worth of requests when the blocks end (three
+    # steps a second of 16 requests): no wait for 200 steps, a tick per block at most
+    blocks_s = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
+    waited_s = refit.t_s - reprofile.t_s - config.reprofile_settle_s - blocks_s
+    assert waited_s <= 1.0 + len(climbed) + 2.0, (waited_s, decisions)
 
     records = sink.table()
     ts = records.column("ts_ns").to_numpy() / 1e9

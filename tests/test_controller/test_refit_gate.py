@@ -7,8 +7,10 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from controller.fleet.key_fit import MIN_FIT_RECORDS, MIN_FIT_STEPS, fittable
 from controller.fleet.refit_gate import predicted_gain, running_unmeasured
 from schemas import DraftTable, TableEnvelope, TableKey
 
@@ -70,3 +72,16 @@ def test_a_running_table_is_unmeasured_where_most_steps_ran_past_its_fits_load()
     assert not running_unmeasured(wide, sixteen)
     assert not running_unmeasured(None, sixteen)  # the startup table
     assert not running_unmeasured(one_load, np.zeros(0, dtype=np.int64))
+
+
+def test_a_fit_needs_200_steps_or_200_decoding_requests_over_50() -> None:
+    """A slow engine's few steps at 16 requests make a fit's worth of acceptance and step
+    times sooner than 200 steps; a handful of busy steps, or idle ones, do not."""
+    def steps(n: int, decode: int) -> pa.Table:
+        return pa.table({"num_decode_reqs": np.full(n, decode, dtype=np.int64)})
+
+    assert fittable(steps(MIN_FIT_RECORDS, 0))  # as before: 200 steps of anything
+    assert fittable(steps(MIN_FIT_STEPS, 4))  # 50 steps of 4 requests
+    assert not fittable(steps(MIN_FIT_STEPS - 1, 64))  # too few step times
+    assert not fittable(steps(MIN_FIT_RECORDS - 1, 1))  # 199 requests
+    assert not fittable(None)

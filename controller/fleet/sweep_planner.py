@@ -278,7 +278,7 @@ class SweepPlanner:
         sweep.climbs += 1
         since = self.window.window(now_s, since_s=sweep.records_from_s)
         records = self.window.fit_records(now_s)
-        if since is None or records is None or not self._probe_measured(sweep, now_s):
+        if records is None or not fittable(since):  # the probe's steps, read once
             return False
         median = float(np.median(since.column("batch_size").to_numpy()))
         # what a periodic refit reads (the window and the last sweep's records); the

@@ -13,6 +13,10 @@ Rules beyond the argmax, and why:
   it from the row's best (`indistinguishable`), and among the fewest-range tables the one with
   the least predicted loss wins: a range boundary then only stands where the data says K
   changes there, so an A-B-A pattern needs the data to demand it.
+- Between two measured batch sizes (`SurfaceFit.measured_batch`), an unmeasured one may take
+  only a K between theirs (`bracket_between_measured`): there the fit interpolates, 5-20%
+  off between neighbouring K, and its argmax flickered over 10 ranges on a real server's
+  probe at 14-16 requests after a profile at one.
 - Past the largest request count of data that never varied it, K is chosen on its worse
   share of the best under two readings of that data (`robust_goodput`): a fit at one load
   cannot tell a per-request cost from the per-step one, and either guess alone picks K far
@@ -58,6 +62,11 @@ SERVED_SHARE = 0.01
 """A batch size that ran at least this share of the fit's steps keeps its argmax: there the
 traffic runs the table's choice and pays a merge's loss (at 16 users the suite's EAGLE
 table took K7 from the small batch sizes where K5 was measured 1.3% better)."""
+SERVED_MAX_LOSS = 0.005
+"""... where a served batch size may still take a neighbour's K when the fit cannot tell
+them apart at no more than this predicted loss: an open load's many served batch sizes
+kept argmax flicker 0.1-0.3% apart (16 ranges at the suite's ShareGPT EAGLE 3000 tok/s),
+while the 1.3% above stays out."""
 SURFACE_GRID_POINTS = 64
 """The envelope's `surface` holds at most this many batch sizes: it must stay far below the
 broker's message size while the table itself is derived at every batch size."""
@@ -76,7 +85,8 @@ def candidate_k_values(startup_k_values: Sequence[int], max_k: int) -> NDArray[n
 def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERANCE,
              fewest_ranges: bool = True,
              latency: NDArray[np.float64] | None = None,
-             indistinct: NDArray[np.bool_] | None = None) -> NDArray[np.int64]:
+             indistinct: NDArray[np.bool_] | None = None,
+             measured: NDArray[np.bool_] | None = None) -> NDArray[np.int64]:
     """Column index chosen per row of `goodput` (rows: batch sizes in order, columns: K ascending).
 
     A column is acceptable at a row when its goodput is within `tolerance` of the row's best;
@@ -86,6 +96,8 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
     minimising (number of changes, then sum of K indices). `indistinct` (the same shape, from
     `indistinguishable`) makes its cells acceptable too and always runs the Viterbi pass,
     with the summed relative loss against each row's best as the second criterion.
+    `measured` (one flag per row) gives each unmeasured row the one K of a path that
+    never turns back (`bracket_between_measured`, within the acceptable cells).
     """
     if goodput.ndim != 2 or goodput.size == 0:
         raise ValueError(f"goodput must be a non-empty (batch, K) matrix, got {goodput.shape}")
@@ -99,6 +111,11 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
             raise ValueError(f"indistinct {indistinct.shape} and goodput {goodput.shape} "
                              "differ in shape")
         acceptable |= indistinct
+    bracket = None if measured is None else bracket_between_measured(goodput, measured,
+                                                                     acceptable)
+    if bracket is not None:
+        acceptable = np.where(bracket.all(axis=1, keepdims=True), acceptable, bracket)
+    if indistinct is not None:
         cell_cost = np.maximum(1.0 - goodput / best, 0.0)
     elif not fewest_ranges:
         return acceptable.argmax(axis=1).astype(np.int64)
@@ -136,13 +153,112 @@ def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
                       served: NDArray[np.bool_] | None = None) -> NDArray[np.bool_]:
     """Cells the fit cannot tell from their row's best K: a predicted loss within `z`
     standard errors of the difference (shared parts cancelled, `log_ratio_vs`) and at most
-    `max_loss`; none in the `served` rows (where the traffic runs, the argmax stands)."""
+    `max_loss`; in the `served` rows (where the traffic runs and pays a merge's loss), at
+    most `SERVED_MAX_LOSS`."""
     if z < 0 or not 0.0 <= max_loss < 1.0:
         raise ValueError(f"merge z={z!r} must be >= 0 and max_loss={max_loss!r} in [0, 1)")
     best = surface.goodput_tok_s.argmax(axis=1)
     mean, sd = surface.log_ratio_vs(best)
     close = (mean >= -z * sd) & (mean >= np.log1p(-max_loss))
-    return close if served is None else close & ~served[:, None]
+    if served is None:
+        return close
+    return close & (~served[:, None] | (mean >= np.log1p(-min(max_loss, SERVED_MAX_LOSS))))
+
+
+def bracket_between_measured(goodput: NDArray[np.float64], measured: NDArray[np.bool_],
+                             acceptable: NDArray[np.bool_] | None = None,
+                             ) -> NDArray[np.bool_] | None:
+    """Cells each row may take: one K at each unmeasured row, the measured rows any.
+    Between two measured rows, a path from the lower one's best K to the upper one's; past
+    the last, from its best K down; before the first, from its best K up. Each path never
+    turns back; within the `acceptable` cells (and each row's best on the way) the one with
+    the fewest moves, then the least predicted loss, wins (`_monotone_path`). None when no
+    row is measured.
+
+    Why monotone: the best K falls or stays as the batch grows on every latency shape
+    measured here, so an unmeasured stretch changes K only as far as its ends do; the fit's
+    own argmax there flickered over 10 ranges on a real server (measured at 1 and 14-16
+    requests) and climbed back to K7 at 172-256 after a profile at one request."""
+    if measured.shape != goodput.shape[:1]:
+        raise ValueError(f"measured {measured.shape} does not match goodput's "
+                         f"{goodput.shape[0]} rows")
+    rows = np.flatnonzero(measured)
+    if rows.size == 0:
+        return None
+    best = goodput.argmax(axis=1)
+    loss = 1.0 - goodput / goodput.max(axis=1, keepdims=True)
+    n_rows, n_cols = goodput.shape
+    near = np.zeros(goodput.shape, dtype=np.bool_) if acceptable is None else acceptable
+    if near.shape != goodput.shape:
+        raise ValueError(f"acceptable {near.shape} and goodput {goodput.shape} differ in shape")
+    allowed = np.ones(goodput.shape, dtype=np.bool_)
+
+    def take(span: slice, path: NDArray[np.int64]) -> None:
+        allowed[span] = False
+        allowed[np.arange(n_rows)[span], path] = True
+
+    for below, above in zip(rows[:-1], rows[1:], strict=True):
+        if above - below > 1:
+            span = slice(below + 1, above)
+            take(span, _monotone_path(loss[span], near[span], int(best[below]),
+                                      int(best[above])))
+    if rows[-1] < n_rows - 1:
+        span = slice(rows[-1] + 1, n_rows)
+        take(span, _monotone_path(loss[span], near[span], int(best[rows[-1]]), 0))
+    if rows[0] > 0:  # walked from the first measured row down to batch size 1
+        span = slice(0, rows[0])
+        take(span, _monotone_path(loss[span][::-1], near[span][::-1], int(best[rows[0]]),
+                                  n_cols - 1)[::-1])
+    return allowed
+
+
+def _monotone_path(loss: NDArray[np.float64], near: NDArray[np.bool_], start: int,
+                   end: int) -> NDArray[np.int64]:
+    """Per row of `loss`, a column between `start` and `end` that moves only from `start`
+    towards `end`. Within the `near` cells and each row's least loss on the way, the path
+    with the fewest moves, then the least summed loss, wins; where no such path exists,
+    the one with the least summed loss."""
+    step = 1 if end >= start else -1
+    columns = np.arange(start, end + step, step)  # in the order the path may visit them
+    cost = loss[:, columns]
+    allowed = near[:, columns] | (cost <= cost.min(axis=1, keepdims=True))
+    path = _fewest_moves(cost, allowed, move_cost=float(cost.sum()) + 1.0)
+    return columns[path if path is not None else _fewest_moves(cost, None, move_cost=0.0)]
+
+
+def _fewest_moves(cost: NDArray[np.float64], allowed: NDArray[np.bool_] | None,
+                  move_cost: float) -> NDArray[np.int64] | None:
+    """The column per row, starting from column 0 before the first row and moving only
+    right, that minimises (moves x `move_cost` + summed `cost`) over `allowed` cells
+    (ties: the path that moves latest); None when no path stays in them."""
+    n_rows, n_cols = cost.shape
+    total = np.full(n_cols, np.inf)
+    total[0] = 0.0  # the measured row the stretch starts from
+    came_from = np.zeros(cost.shape, dtype=np.int64)
+    for row in range(n_rows):
+        before = np.r_[np.inf, np.minimum.accumulate(total)[:-1]]  # columns left of each
+        source = np.r_[0, _argmin_prefix(total)[:-1]]
+        moved = before + move_cost
+        stay = total <= moved
+        came_from[row] = np.where(stay, np.arange(n_cols), source)
+        total = np.where(stay, total, moved) + cost[row]
+        if allowed is not None:
+            total = np.where(allowed[row], total, np.inf)
+    if not np.isfinite(total.min()):
+        return None
+    path = np.zeros(n_rows, dtype=np.int64)
+    path[-1] = int(total.argmin())
+    for row in range(n_rows - 1, 0, -1):
+        path[row - 1] = came_from[row, path[row]]
+    return path
+
+
+def _argmin_prefix(values: NDArray[np.float64]) -> NDArray[np.int64]:
+    """For each index i, the first index of the minimum of values[: i + 1]."""
+    index = np.zeros(values.size, dtype=np.int64)
+    for i in range(1, values.size):
+        index[i] = index[i - 1] if values[index[i - 1]] <= values[i] else i
+    return index
 
 
 def robust_goodput(surface: GoodputSurface) -> NDArray[np.float64]:
@@ -301,6 +417,10 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
         # past it the table is the robust choice of two readings (`robust_goodput`)
         **({} if surface.measured_requests is None
            else {"measured_requests": int(surface.measured_requests)}),
+        # the largest batch size with steps enough to be priced as measured (window or
+        # latency memory): past it the table's K is extrapolated
+        **({} if fit.measured_batch is None or not fit.measured_batch.any()
+           else {"measured_batch_max": int(np.flatnonzero(fit.measured_batch)[-1] + 1)}),
     }
 
 
@@ -328,8 +448,9 @@ def derive_envelope(
     surface = fit.evaluate(batch_sizes, k_values)
     decision = robust_goodput(surface)
     indistinct = _mergeable(surface, decision, merge_z, _served(fit, max_batch))
+    measured = None if fit.measured_batch is None else fit.measured_batch[:max_batch]
     chosen = choose_k(decision, tolerance=tolerance, fewest_ranges=fewest_ranges,
-                      latency=surface.latency_s, indistinct=indistinct)
+                      latency=surface.latency_s, indistinct=indistinct, measured=measured)
     dense = [0, *(int(k) for k in k_values[chosen])]
     table = DraftTable.from_dense(dense).validate(int(k_values.max()), max_batch)
     predicted = surface.goodput_tok_s[np.arange(max_batch), chosen]

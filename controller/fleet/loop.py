@@ -73,7 +73,11 @@ from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
-from controller.fleet.refit_gate import measured_requests, predicted_gain, running_unmeasured
+from controller.fleet.refit_gate import (
+    measured_load,
+    predicted_gain,
+    running_unmeasured,
+)
 from controller.fleet.regimes import (
     RECALL_TRUST_S,
     SIGNATURE_S,
@@ -379,8 +383,8 @@ class ClosedLoop:
 
     def _unmeasured_load(self, now_s: float) -> DriftReport | None:
         """A one-engine key whose steps over the last `UNMEASURED_SPAN_S` ran past the drift
-        detector's coverage factor times the load the running table's fit measured
-        (`surface.measured_requests`): its K there is a guess, and so would a refit's be,
+        detector's coverage factor times the largest load the running table's fit
+        measured (`measured_load`): its K there is a guess, and so would a refit's be,
         so the loop probes the load (signal `coverage`), once per table version. The
         detector's own coverage signal counts steps over its minute-long window, where a
         slow engine's few steps at the new load outnumbered the fast ones of the old only
@@ -389,7 +393,7 @@ class ClosedLoop:
         15%, for the rest of the phase)."""
         cfg = self.config
         version = self.agent.state.desired_version
-        measured = measured_requests(self.publisher.agent.desired())
+        measured = measured_load(self.publisher.agent.desired())
         if (measured is None or version == self._unmeasured_version
                 or not cfg.reprofile_on_stale or not self.planner.probes(now_s)):
             return None

@@ -68,6 +68,14 @@ def measured_requests(envelope: TableEnvelope | None) -> float | None:
     return None if value is None else float(value)
 
 
+def measured_load(envelope: TableEnvelope | None) -> float | None:
+    """The largest batch size the envelope's fit measured (`surface.measured_batch_max`),
+    or else the request count it measured up to; None where it says neither."""
+    surface = {} if envelope is None else (envelope.surface or {})
+    value = surface.get("measured_batch_max", surface.get("measured_requests"))
+    return None if value is None else float(value)
+
+
 def running_unmeasured(running: TableEnvelope | None,
                        batch_sizes: NDArray[np.int64]) -> bool:
     """Whether most of `batch_sizes` (the steps since the last refit: the load now, not

@@ -50,6 +50,12 @@ DEFAULT_CELL_SATURATION = 10.0
 """A latency cell with n steps weighs n / (n + 10): a well-observed cell's median is precise
 to well under the model's misfit, so more steps should not let one cell outvote the shape."""
 
+MEASURED_BATCH_STEPS = 10
+"""A batch size is measured once this many steps ran at it, in the fit's window or in the
+latency memory: the median of ten steps is within a few percent of the cell's, where the
+fit between measured batch sizes is 5-20% off (a real server's probe at 14-16 requests
+after a profile at one)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SurfaceFit:
@@ -81,6 +87,10 @@ class SurfaceFit:
     batch_share: NDArray[np.float64] | None = None
     """Share of the fit's (recency-weighted) steps at batch sizes 1..max_batch: where the
     traffic it was fitted on ran."""
+    measured_batch: NDArray[np.bool_] | None = None
+    """Batch sizes 1..max_batch with at least `MEASURED_BATCH_STEPS` steps in the fit's
+    window or its latency memory: between two of them, the table keeps to their K
+    (`fitter.derive.bracket_between_measured`)."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""
@@ -188,6 +198,7 @@ def fit_surface(
                          and np.unique(ledger[:, 0]).size >= MIN_CONTEXT_REQUESTS else None),
         request_spread=spread,
         batch_share=_batch_share(features, max_batch),
+        measured_batch=_measured_batch(features, latency_memory, max_batch),
     )
 
 
@@ -197,6 +208,19 @@ def _batch_share(features: SurfaceFeatures, max_batch: int) -> NDArray[np.float6
     counts = np.bincount(batch - 1, weights=features.weights, minlength=max_batch)
     total = counts.sum()
     return counts / total if total > 0 else counts
+
+
+def _measured_batch(features: SurfaceFeatures, latency_memory: LatencyCells | None,
+                    max_batch: int) -> NDArray[np.bool_]:
+    """Batch sizes 1..max_batch with `MEASURED_BATCH_STEPS` steps, counted once each (no
+    recency weight), in the window or the latency memory."""
+    batch = np.clip(features.steps["batch_size"].to_numpy(), 1, max_batch)
+    steps = np.bincount(batch - 1, minlength=max_batch).astype(np.float64)
+    if latency_memory is not None and len(latency_memory):
+        remembered = np.clip(latency_memory.batch_sizes().astype(np.int64), 1, max_batch)
+        steps = np.maximum(steps, np.bincount(remembered - 1, weights=latency_memory.weight,
+                                              minlength=max_batch))
+    return steps >= MEASURED_BATCH_STEPS
 
 
 def _fit_composition(features: SurfaceFeatures, acceptance: AcceptanceModel,

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from controller.fleet.key_fit import MIN_FIT_RECORDS, MIN_FIT_STEPS, fittable
-from controller.fleet.refit_gate import predicted_gain, running_unmeasured
+from controller.fleet.refit_gate import measured_load, predicted_gain, running_unmeasured
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]
@@ -72,6 +72,22 @@ def test_a_running_table_is_unmeasured_where_most_steps_ran_past_its_fits_load()
     assert not running_unmeasured(wide, sixteen)
     assert not running_unmeasured(None, sixteen)  # the startup table
     assert not running_unmeasured(one_load, np.zeros(0, dtype=np.int64))
+
+
+def test_the_measured_load_is_the_largest_batch_size_measured() -> None:
+    """A fit that told requests from steps (a profile at 1 and 2 requests) names no
+    measured request count, yet it measured nothing past 2: the largest batch size with
+    steps enough says so; an envelope from before that field falls back to the count."""
+    base = envelope([[1, 64, 4]], goodput_k4=1020.0, stderr=2.0)
+
+    def with_surface(**fields: int) -> TableEnvelope:
+        return dataclasses.replace(base, surface={**base.surface, **fields})
+
+    assert measured_load(with_surface(measured_batch_max=2)) == 2.0
+    assert measured_load(with_surface(measured_batch_max=17, measured_requests=16)) == 17.0
+    assert measured_load(with_surface(measured_requests=16)) == 16.0
+    assert measured_load(base) is None
+    assert measured_load(None) is None
 
 
 def test_a_fit_needs_200_steps_or_200_decoding_requests_over_50() -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from fitter.derive import (
     DEFAULT_MERGE_Z,
+    SERVED_MAX_LOSS,
+    bracket_between_measured,
     candidate_k_values,
     choose_k,
     derive_envelope,
@@ -246,14 +248,48 @@ def test_a_flicker_the_fit_cannot_resolve_is_merged() -> None:
     assert list(kept) == list(argmax)
 
 
+def test_unmeasured_batch_sizes_never_turn_back() -> None:
+    """A real server's probe: measured at batch 1 (best K3) and 14-16 (best K1); between
+    them the fit's argmax flickered over K0..K4 in 10 ranges. The rows between take a path
+    from K3 to K1 that never turns back and loses the least predicted goodput; unmeasured
+    rows at either end take a path that moves away from their measured neighbour's K only
+    as the batch size says (down past it, up before it)."""
+    argmax = [3, 4, 2, 3, 4, 1, 3, 0, 2, 3, 1, 2, 1, 1, 1, 1]
+    goodput = np.full((16, 5), 90.0)
+    goodput[np.arange(16), argmax] = 100.0
+    goodput[1:13, 2] = 97.0  # K2 is a close second between the measurements
+    measured = np.zeros(16, dtype=bool)
+    measured[[0, 13, 14, 15]] = True
+    bracket = bracket_between_measured(goodput, measured)
+    assert bracket is not None
+    assert bracket[[0, 13, 14, 15]].all()  # measured rows are free
+    assert (bracket[1:13].sum(axis=1) == 1).all()  # each row between takes one K
+    chosen = choose_k(goodput, tolerance=0.0, measured=measured)
+    assert list(chosen) == [3] + [2] * 11 + [1] * 4
+    unbracketed = choose_k(goodput, tolerance=0.0)
+    assert np.count_nonzero(np.diff(unbracketed)) >= 9
+    # past the last measured row K only falls from its best; before the first it only rises
+    past = bracket_between_measured(goodput, np.arange(16) == 0)
+    assert past is not None and (past[1:].sum(axis=1) == 1).all()
+    assert (np.diff(past[1:].argmax(axis=1)) <= 0).all() and past[1:].argmax(axis=1)[0] <= 3
+    before = bracket_between_measured(goodput, np.arange(16) == 15)
+    assert before is not None and (before[:15].sum(axis=1) == 1).all()
+    assert (np.diff(before[:15].argmax(axis=1)) <= 0).all() and before[14].argmax() >= 1
+    assert bracket_between_measured(goodput, np.zeros(16, dtype=bool)) is None
+    with pytest.raises(ValueError, match="measured"):
+        bracket_between_measured(goodput, measured[:4])
+
+
 def test_merging_spares_the_batch_sizes_the_traffic_ran(all_k_fit: SurfaceFit) -> None:
     surface = all_k_fit.evaluate(np.arange(1, MAX_BATCH + 1), np.arange(MAX_K + 1))
     loose = indistinguishable(surface, z=3.0, max_loss=0.5)
-    row = int(np.flatnonzero(loose.sum(axis=1) > 1)[0])  # a batch size with a choice
+    share = surface.goodput_tok_s / surface.goodput_tok_s.max(axis=1, keepdims=True)
+    costly = loose & (share < 1.0 - SERVED_MAX_LOSS)
+    row = int(np.flatnonzero(costly.any(axis=1))[0])  # a choice that would cost the traffic
     served = np.zeros(MAX_BATCH, dtype=bool)
     served[row] = True
     spared = indistinguishable(surface, z=3.0, max_loss=0.5, served=served)
-    assert spared[row].sum() == 0
+    assert (spared[row] == (loose[row] & ~costly[row])).all()  # only what costs ~0 merges
     assert (spared[~served] == loose[~served]).all()
     best = surface.goodput_tok_s.argmax(axis=1)
     assert loose[np.arange(MAX_BATCH), best].all()  # the best is never excluded

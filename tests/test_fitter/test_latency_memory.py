@@ -6,10 +6,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fitter.surface.fit import fit_surface
+from fitter.derive import derive_envelope
+from fitter.surface.fit import MEASURED_BATCH_STEPS, fit_surface
 from fitter.surface.latency import decode_matrix
 from fitter.surface.latency_memory import LatencyCells
 from fitter.surface.synthetic import H100_EAGLE, make_step_records
+from schemas.envelope import TableKey
 from tests.test_fitter.conftest import MAX_BATCH, MAX_K
 
 CONTEXT = 512.0
@@ -73,3 +75,18 @@ def test_the_memory_is_bounded_oldest_first() -> None:
     merged = first.merged(second, max_cells=len(second) + 3)
     assert len(merged) == len(second) + 3
     assert np.isin(second.keys(), merged.keys()).all()
+
+
+def test_a_batch_size_is_measured_in_the_window_or_the_memory() -> None:
+    window, remembered = _records(5, 16, 16), _records(6, 120, 121)
+    fit = fit_surface(window, max_k=MAX_K, max_batch=MAX_BATCH, half_life_s=None,
+                      latency_memory=LatencyCells.from_records(remembered))
+    assert fit.measured_batch is not None
+    assert list(np.flatnonzero(fit.measured_batch) + 1) == [16, 120, 121]
+    envelope = derive_envelope(fit, key=TableKey("m", "eagle", "h100"), version=1,
+                               max_k=MAX_K, max_batch=MAX_BATCH,
+                               startup_k_values=range(MAX_K + 1))
+    assert envelope.surface["measured_batch_max"] == 121  # what the loop's check reads
+    few = window.slice(0, MEASURED_BATCH_STEPS - 1)  # one step short at its only batch size
+    assert not fit_surface(few, max_k=MAX_K, max_batch=MAX_BATCH,
+                           half_life_s=None).measured_batch.any()

@@ -13,10 +13,11 @@ Rules beyond the argmax, and why:
   it from the row's best (`indistinguishable`), and among the fewest-range tables the one with
   the least predicted loss wins: a range boundary then only stands where the data says K
   changes there, so an A-B-A pattern needs the data to demand it.
-- Between two measured batch sizes (`SurfaceFit.measured_batch`), an unmeasured one may take
-  only a K between theirs (`bracket_between_measured`): there the fit interpolates, 5-20%
-  off between neighbouring K, and its argmax flickered over 10 ranges on a real server's
-  probe at 14-16 requests after a profile at one.
+- An unmeasured batch size (`SurfaceFit.measured_batch`) takes its K from a path that never
+  turns back (`bracket_between_measured`): between two measured ones from the lower one's
+  K to the upper one's, past the last one down, before the first one up. There the fit
+  interpolates or extrapolates, 5-20% off between neighbouring K, and its argmax flickered
+  over 10 ranges on a real server's probe at 14-16 requests after a profile at one.
 - Past the largest request count of data that never varied it, K is chosen on its worse
   share of the best under two readings of that data (`robust_goodput`): a fit at one load
   cannot tell a per-request cost from the per-step one, and either guess alone picks K far
@@ -59,14 +60,18 @@ UNMEASURED_SMOOTHING = 1.25
 this factor: the fit's step features jump there by 10% between neighbours (a profile at
 one user), which made K flicker over 20 ranges."""
 SERVED_SHARE = 0.01
-"""A batch size that ran at least this share of the fit's steps keeps its argmax: there the
-traffic runs the table's choice and pays a merge's loss (at 16 users the suite's EAGLE
-table took K7 from the small batch sizes where K5 was measured 1.3% better)."""
+"""A batch size that ran at least this share of the fit's steps merges only within
+`SERVED_MAX_LOSS`: there the traffic runs the table's choice and pays a merge's loss (at 16
+users the suite's EAGLE table took K7 from the small batch sizes where K5 was measured 1.3%
+better)."""
 SERVED_MAX_LOSS = 0.005
 """... where a served batch size may still take a neighbour's K when the fit cannot tell
 them apart at no more than this predicted loss: an open load's many served batch sizes
 kept argmax flicker 0.1-0.3% apart (16 ranges at the suite's ShareGPT EAGLE 3000 tok/s),
 while the 1.3% above stays out."""
+MOVE_TIE_BREAK = 1e-9
+"""Where no K path keeps to the acceptable cells, the least loss picks it; a move costs
+only this, so of two paths with the same loss the one with fewer changes wins."""
 SURFACE_GRID_POINTS = 64
 """The envelope's `surface` holds at most this many batch sizes: it must stay far below the
 broker's message size while the table itself is derived at every batch size."""
@@ -97,7 +102,8 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
     `indistinguishable`) makes its cells acceptable too and always runs the Viterbi pass,
     with the summed relative loss against each row's best as the second criterion.
     `measured` (one flag per row) gives each unmeasured row the one K of a path that
-    never turns back (`bracket_between_measured`, within the acceptable cells).
+    never turns back from its measured neighbours' K (`bracket_between_measured`): their
+    best, or without the Viterbi pass the smallest acceptable K they take.
     """
     if goodput.ndim != 2 or goodput.size == 0:
         raise ValueError(f"goodput must be a non-empty (batch, K) matrix, got {goodput.shape}")
@@ -111,13 +117,15 @@ def choose_k(goodput: NDArray[np.float64], *, tolerance: float = DEFAULT_TOLERAN
             raise ValueError(f"indistinct {indistinct.shape} and goodput {goodput.shape} "
                              "differ in shape")
         acceptable |= indistinct
-    bracket = None if measured is None else bracket_between_measured(goodput, measured,
-                                                                     acceptable)
-    if bracket is not None:
-        acceptable = np.where(bracket.all(axis=1, keepdims=True), acceptable, bracket)
+    greedy = indistinct is None and not fewest_ranges
+    if measured is not None:
+        anchors = acceptable.argmax(axis=1) if greedy else goodput.argmax(axis=1)
+        bracket = bracket_between_measured(goodput, measured, acceptable, anchors)
+        if bracket is not None:
+            acceptable = np.where(measured[:, None], acceptable, bracket)
     if indistinct is not None:
         cell_cost = np.maximum(1.0 - goodput / best, 0.0)
-    elif not fewest_ranges:
+    elif greedy:
         return acceptable.argmax(axis=1).astype(np.int64)
     else:
         cell_cost = np.broadcast_to(np.arange(n_cols, dtype=np.float64), goodput.shape)
@@ -141,11 +149,16 @@ def _fewest_changes(acceptable: NDArray[np.bool_],
         came_from[row] = np.where(stay_cheaper, columns, best_prev)
         cost = np.where(stay_cheaper, cost, switch) + cell_cost[row]
         cost = np.where(acceptable[row], cost, infeasible)
-    chosen = np.zeros(n_rows, dtype=np.int64)
-    chosen[-1] = int(cost.argmin())
-    for row in range(n_rows - 1, 0, -1):
-        chosen[row - 1] = came_from[row, chosen[row]]
-    return chosen
+    return _backtrack(came_from, int(cost.argmin()))
+
+
+def _backtrack(came_from: NDArray[np.int64], last: int) -> NDArray[np.int64]:
+    """A Viterbi pass's path, from the column it ends in and each cell's predecessor."""
+    path = np.zeros(came_from.shape[0], dtype=np.int64)
+    path[-1] = last
+    for row in range(came_from.shape[0] - 1, 0, -1):
+        path[row - 1] = came_from[row, path[row]]
+    return path
 
 
 def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
@@ -167,30 +180,31 @@ def indistinguishable(surface: GoodputSurface, z: float = DEFAULT_MERGE_Z,
 
 def bracket_between_measured(goodput: NDArray[np.float64], measured: NDArray[np.bool_],
                              acceptable: NDArray[np.bool_] | None = None,
+                             anchors: NDArray[np.int64] | None = None,
                              ) -> NDArray[np.bool_] | None:
     """Cells each row may take: one K at each unmeasured row, the measured rows any.
-    Between two measured rows, a path from the lower one's best K to the upper one's; past
-    the last, from its best K down; before the first, from its best K up. Each path never
-    turns back; within the `acceptable` cells (and each row's best on the way) the one with
-    the fewest moves, then the least predicted loss, wins (`_monotone_path`). None when no
-    row is measured.
+    Between two measured rows, a path from the lower one's K to the upper one's; past the
+    last, from its K down; before the first, from its K up. A measured row's K is its
+    `anchors` column (default: its best). Each path never turns back; of those that keep
+    to the `acceptable` cells (and to each row's best on the way), the one with the fewest
+    changes, then the least predicted loss, wins; where none keeps to them, the one with
+    the least loss (`_monotone_path`). None when no row is measured.
 
     Why monotone: the best K falls or stays as the batch grows on every latency shape
     measured here, so an unmeasured stretch changes K only as far as its ends do; the fit's
     own argmax there flickered over 10 ranges on a real server (measured at 1 and 14-16
     requests) and climbed back to K7 at 172-256 after a profile at one request."""
-    if measured.shape != goodput.shape[:1]:
-        raise ValueError(f"measured {measured.shape} does not match goodput's "
-                         f"{goodput.shape[0]} rows")
-    rows = np.flatnonzero(measured)
-    if rows.size == 0:
-        return None
-    best = goodput.argmax(axis=1)
-    loss = 1.0 - goodput / goodput.max(axis=1, keepdims=True)
     n_rows, n_cols = goodput.shape
+    if measured.shape != (n_rows,):
+        raise ValueError(f"measured {measured.shape} does not match goodput's {n_rows} rows")
     near = np.zeros(goodput.shape, dtype=np.bool_) if acceptable is None else acceptable
     if near.shape != goodput.shape:
         raise ValueError(f"acceptable {near.shape} and goodput {goodput.shape} differ in shape")
+    rows = np.flatnonzero(measured)
+    if rows.size == 0:
+        return None
+    anchor = goodput.argmax(axis=1) if anchors is None else anchors
+    loss = 1.0 - goodput / goodput.max(axis=1, keepdims=True)
     allowed = np.ones(goodput.shape, dtype=np.bool_)
 
     def take(span: slice, path: NDArray[np.int64]) -> None:
@@ -200,57 +214,60 @@ def bracket_between_measured(goodput: NDArray[np.float64], measured: NDArray[np.
     for below, above in zip(rows[:-1], rows[1:], strict=True):
         if above - below > 1:
             span = slice(below + 1, above)
-            take(span, _monotone_path(loss[span], near[span], int(best[below]),
-                                      int(best[above])))
+            take(span, _monotone_path(loss[span], near[span], int(anchor[below]),
+                                      int(anchor[above]), ends_there=True))
     if rows[-1] < n_rows - 1:
         span = slice(rows[-1] + 1, n_rows)
-        take(span, _monotone_path(loss[span], near[span], int(best[rows[-1]]), 0))
+        take(span, _monotone_path(loss[span], near[span], int(anchor[rows[-1]]), 0))
     if rows[0] > 0:  # walked from the first measured row down to batch size 1
         span = slice(0, rows[0])
-        take(span, _monotone_path(loss[span][::-1], near[span][::-1], int(best[rows[0]]),
+        take(span, _monotone_path(loss[span][::-1], near[span][::-1], int(anchor[rows[0]]),
                                   n_cols - 1)[::-1])
     return allowed
 
 
 def _monotone_path(loss: NDArray[np.float64], near: NDArray[np.bool_], start: int,
-                   end: int) -> NDArray[np.int64]:
+                   end: int, ends_there: bool = False) -> NDArray[np.int64]:
     """Per row of `loss`, a column between `start` and `end` that moves only from `start`
-    towards `end`. Within the `near` cells and each row's least loss on the way, the path
-    with the fewest moves, then the least summed loss, wins; where no such path exists,
-    the one with the least summed loss."""
+    towards `end` (and, `ends_there`, on into `end` after the last row). Within the `near`
+    cells and each row's least loss on the way, the path with the fewest moves, then the
+    least summed loss, wins; where no such path exists, the one with the least summed loss."""
     step = 1 if end >= start else -1
     columns = np.arange(start, end + step, step)  # in the order the path may visit them
     cost = loss[:, columns]
     allowed = near[:, columns] | (cost <= cost.min(axis=1, keepdims=True))
-    path = _fewest_moves(cost, allowed, move_cost=float(cost.sum()) + 1.0)
-    return columns[path if path is not None else _fewest_moves(cost, None, move_cost=0.0)]
+    path = _fewest_moves(cost, allowed, move_cost=float(cost.sum()) + 1.0,
+                         ends_last=ends_there)
+    if path is None:  # the loss decides; a move costs only enough to break its ties
+        path = _fewest_moves(cost, None, move_cost=MOVE_TIE_BREAK, ends_last=ends_there)
+        assert path is not None  # every cell allowed: some path always exists
+    return columns[path]
 
 
 def _fewest_moves(cost: NDArray[np.float64], allowed: NDArray[np.bool_] | None,
-                  move_cost: float) -> NDArray[np.int64] | None:
-    """The column per row, starting from column 0 before the first row and moving only
-    right, that minimises (moves x `move_cost` + summed `cost`) over `allowed` cells
-    (ties: the path that moves latest); None when no path stays in them."""
+                  move_cost: float, ends_last: bool) -> NDArray[np.int64] | None:
+    """The column per row, starting in column 0 before the first row and moving only
+    right, that minimises (moves x `move_cost` + summed `cost`) over `allowed` cells,
+    counting a move into the last column after the last row when `ends_last` (ties: the
+    later move); None when no path keeps to them."""
     n_rows, n_cols = cost.shape
     total = np.full(n_cols, np.inf)
     total[0] = 0.0  # the measured row the stretch starts from
     came_from = np.zeros(cost.shape, dtype=np.int64)
+    columns = np.arange(n_cols)
     for row in range(n_rows):
-        before = np.r_[np.inf, np.minimum.accumulate(total)[:-1]]  # columns left of each
-        source = np.r_[0, _argmin_prefix(total)[:-1]]
-        moved = before + move_cost
-        stay = total <= moved
-        came_from[row] = np.where(stay, np.arange(n_cols), source)
+        source = np.r_[0, _argmin_prefix(total)[:-1]]  # the best column left of each
+        moved = np.where(columns > 0, total[source], np.inf) + move_cost
+        stay = total < moved
+        came_from[row] = np.where(stay, columns, source)
         total = np.where(stay, total, moved) + cost[row]
         if allowed is not None:
             total = np.where(allowed[row], total, np.inf)
+    if ends_last:
+        total[:-1] += move_cost
     if not np.isfinite(total.min()):
         return None
-    path = np.zeros(n_rows, dtype=np.int64)
-    path[-1] = int(total.argmin())
-    for row in range(n_rows - 1, 0, -1):
-        path[row - 1] = came_from[row, path[row]]
-    return path
+    return _backtrack(came_from, int(total.argmin()))
 
 
 def _argmin_prefix(values: NDArray[np.float64]) -> NDArray[np.int64]:
@@ -389,7 +406,10 @@ def surface_grid(max_batch: int, n_points: int = SURFACE_GRID_POINTS) -> NDArray
 
 def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
                     fit: SurfaceFit) -> dict[str, Any]:
-    """The envelope's `surface`: per-cell predictions and uncertainty on a batch-size grid."""
+    """The envelope's `surface`: per-cell predictions and uncertainty on a batch-size grid
+    (`surface`'s batch sizes: 1 up to the envelope's max batch)."""
+    measured = (None if fit.measured_batch is None
+                else fit.measured_batch[:surface.batch_sizes.size])
     acceptance = fit.acceptance
     return {
         "batch_sizes": [int(b) for b in surface.batch_sizes[rows]],
@@ -419,8 +439,8 @@ def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
            else {"measured_requests": int(surface.measured_requests)}),
         # the largest batch size with steps enough to be priced as measured (window or
         # latency memory): past it the table's K is extrapolated
-        **({} if fit.measured_batch is None or not fit.measured_batch.any()
-           else {"measured_batch_max": int(np.flatnonzero(fit.measured_batch)[-1] + 1)}),
+        **({} if measured is None or not measured.any()
+           else {"measured_batch_max": int(np.flatnonzero(measured)[-1] + 1)}),
     }
 
 

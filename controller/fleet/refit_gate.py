@@ -61,13 +61,6 @@ def predicted_gain(candidate: TableEnvelope, current: DraftTable,
     return new / old - 1.0, float(np.hypot(se_new, se_old)) / old
 
 
-def measured_requests(envelope: TableEnvelope | None) -> float | None:
-    """The request count the envelope's fit measured up to (`surface.measured_requests`);
-    None where it does not say."""
-    value = None if envelope is None else (envelope.surface or {}).get("measured_requests")
-    return None if value is None else float(value)
-
-
 def measured_load(envelope: TableEnvelope | None) -> float | None:
     """The largest batch size the envelope's fit measured (`surface.measured_batch_max`),
     or else the request count it measured up to; None where it says neither."""
@@ -79,9 +72,9 @@ def measured_load(envelope: TableEnvelope | None) -> float | None:
 def running_unmeasured(running: TableEnvelope | None,
                        batch_sizes: NDArray[np.int64]) -> bool:
     """Whether most of `batch_sizes` (the steps since the last refit: the load now, not
-    the window's) ran past the request count the running table's fit
-    measured (`surface.measured_requests`): there its K is a robust guess, not a
-    measurement, and keeping it is no safer than a refit that measured the load."""
-    measured = measured_requests(running)
+    the window's) ran past the largest load the running table's fit measured
+    (`measured_load`): there its K is a guess, not a measurement, and keeping it is no
+    safer than a refit that measured the load."""
+    measured = measured_load(running)
     return (measured is not None and batch_sizes.size > 0
             and float(np.median(batch_sizes)) > measured)

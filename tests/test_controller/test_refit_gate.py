@@ -70,6 +70,10 @@ def test_a_running_table_is_unmeasured_where_most_steps_ran_past_its_fits_load()
     assert not running_unmeasured(one_load, np.ones(100, dtype=np.int64))
     assert not running_unmeasured(one_load, np.r_[np.ones(60), np.full(40, 16)].astype(int))
     assert not running_unmeasured(wide, sixteen)
+    # a fit that told requests from steps at 1 and 2 still measured no batch past 2
+    identified = dataclasses.replace(wide, surface={**wide.surface, "measured_batch_max": 2})
+    assert running_unmeasured(identified, sixteen)
+    assert not running_unmeasured(identified, np.full(100, 2))
     assert not running_unmeasured(None, sixteen)  # the startup table
     assert not running_unmeasured(one_load, np.zeros(0, dtype=np.int64))
 

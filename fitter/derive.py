@@ -404,12 +404,10 @@ def surface_grid(max_batch: int, n_points: int = SURFACE_GRID_POINTS) -> NDArray
     return np.unique(np.concatenate([dense, sparse, [max_batch]]))
 
 
-def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64],
-                    fit: SurfaceFit) -> dict[str, Any]:
-    """The envelope's `surface`: per-cell predictions and uncertainty on a batch-size grid
-    (`surface`'s batch sizes: 1 up to the envelope's max batch)."""
-    measured = (None if fit.measured_batch is None
-                else fit.measured_batch[:surface.batch_sizes.size])
+def surface_summary(surface: GoodputSurface, rows: NDArray[np.int64], fit: SurfaceFit,
+                    measured: NDArray[np.bool_] | None = None) -> dict[str, Any]:
+    """The envelope's `surface`: per-cell predictions and uncertainty on a batch-size grid;
+    `measured`: the fit's measured flags for `surface`'s batch sizes."""
     acceptance = fit.acceptance
     return {
         "batch_sizes": [int(b) for b in surface.batch_sizes[rows]],
@@ -495,7 +493,7 @@ def derive_envelope(
             **dict(provenance or {}),
         },
         predicted_goodput_tok_s=tuple(_round(g) for g in predicted),
-        surface=surface_summary(surface, grid_rows, fit),
+        surface=surface_summary(surface, grid_rows, fit, measured),
         exploration=exploration_plan(surface, chosen, tolerance=tolerance,
                                      min_probability=min_exploration_probability),
     )

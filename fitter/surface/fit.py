@@ -51,10 +51,10 @@ DEFAULT_CELL_SATURATION = 10.0
 to well under the model's misfit, so more steps should not let one cell outvote the shape."""
 
 MEASURED_BATCH_STEPS = 10
-"""A batch size is measured once this many steps ran at it, in the fit's window or in the
-latency memory: the median of ten steps is within a few percent of the cell's, where the
-fit between measured batch sizes is 5-20% off (a real server's probe at 14-16 requests
-after a profile at one)."""
+"""A batch size is measured once this many steps ran at it, at any K, in the fit's window
+or in the latency memory: ten steps pin that K's step time to a few percent and the model
+carries it to the other K, where the fit between measured batch sizes is 5-20% off (a real
+server's probe at 14-16 requests after a profile at one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,8 @@ class SurfaceFit:
     traffic it was fitted on ran."""
     measured_batch: NDArray[np.bool_] | None = None
     """Batch sizes 1..max_batch with at least `MEASURED_BATCH_STEPS` steps in the fit's
-    window or its latency memory: between two of them, the table keeps to their K
-    (`fitter.derive.bracket_between_measured`)."""
+    window or its latency memory: the unmeasured ones between, past and before them take
+    a K path that never turns back (`fitter.derive.bracket_between_measured`)."""
 
     def evaluate(self, batch_sizes: ArrayLike, k_values: ArrayLike) -> GoodputSurface:
         """Goodput surface at these batch sizes (each within 1..max_batch) and K values."""

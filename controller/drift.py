@@ -310,23 +310,17 @@ class DriftDetector:
         if self.state is DriftState.REFERENCE:
             self._ref_stats += stats
             self._ref_chunks.append(stats)
-            if now_s - self._since_s >= cfg.warmup_s + cfg.reference_s:
-                self._ref_lat, self._ref_acc = self._means(self._ref_stats)
-                chunks = np.array(self._ref_chunks)
-                # the fit's wander, scaled to the reference's length, bounds the reference's
-                # error from below: 20 s of a small batch may all fall in one quiet stretch
-                wander = [se * math.sqrt(self._fit_chunks / len(chunks)) for se in self._fit_se]
-                self._ref_se = (max(self._chunk_se(chunks, 0), wander[0]),
-                                max(self._chunk_se(chunks, 3), wander[1]))
-                self.state = DriftState.WATCHING
-                sample_se = (max(self._batch_means_se(chunks, 0), wander[0]),
-                             max(self._batch_means_se(chunks, 3), wander[1]))
-                report = self._misfit_report(sample_se)
-                if report is not None:
-                    self.state = DriftState.STALE
-                    self._reported_s = now_s
-                return report
-            return None
+            # the load needs no reference: a table that starts (or a replica that resumes)
+            # in a load jump is stale from its first few hundred steps, and its reference
+            # ends there, at the new load
+            coverage = self._coverage(self._ref_stats)
+            if coverage is None and now_s - self._since_s < cfg.warmup_s + cfg.reference_s:
+                return None
+            report = coverage or self._end_reference()
+            if report is not None:
+                self.state = DriftState.STALE
+                self._reported_s = now_s
+            return report
         self._window.append((now_s, stats))
         while self._window and self._window[0][0] < now_s - cfg.window_s:
             self._window.popleft()
@@ -375,6 +369,20 @@ class DriftDetector:
         lat = stats[1] / stats[0] if stats[0] else 0.0
         acc = math.log(stats[4] / stats[5]) if stats[4] > 0 and stats[5] > 0 else 0.0
         return float(lat), float(acc)
+
+    def _end_reference(self) -> DriftReport | None:
+        """The reference's means and errors from its chunks; watching starts. A report when
+        the table misses its own prediction by a drift (`_misfit_report`)."""
+        self._ref_lat, self._ref_acc = self._means(self._ref_stats)
+        chunks = np.array(self._ref_chunks)
+        # the fit's wander, scaled to the reference's length, bounds the reference's error
+        # from below: 20 s of a small batch may all fall in one quiet stretch
+        wander = [se * math.sqrt(self._fit_chunks / len(chunks)) for se in self._fit_se]
+        self._ref_se = (max(self._chunk_se(chunks, 0), wander[0]),
+                        max(self._chunk_se(chunks, 3), wander[1]))
+        self.state = DriftState.WATCHING
+        return self._misfit_report((max(self._batch_means_se(chunks, 0), wander[0]),
+                                    max(self._batch_means_se(chunks, 3), wander[1])))
 
     def _misfit_report(self, sample_se: tuple[float, float]) -> DriftReport | None:
         """A table that misses its own prediction by more than a drift would, from its first
@@ -436,8 +444,9 @@ class DriftDetector:
         chunks = np.array([entry[1] for entry in self._window])
         stats = chunks.sum(axis=0)
         steps = int(stats[7])
-        if steps >= cfg.min_steps and stats[6] >= cfg.coverage_threshold * steps:
-            return DriftReport("coverage", stats[6] / steps, math.inf, steps, self.version)
+        coverage = self._coverage(stats)
+        if coverage is not None:
+            return coverage
         lat, acc = self._means(stats)
         candidates = []
         for signal, column, value, ref, ref_se, threshold in (
@@ -455,6 +464,13 @@ class DriftDetector:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
                 return DriftReport(signal, math.expm1(self._recent_shift(signal)), z, steps,
                                    self.version)
+        return None
+
+    def _coverage(self, stats: NDArray[np.float64]) -> DriftReport | None:
+        """`coverage_threshold` of `min_steps` or more steps outside the fitted range."""
+        steps = int(stats[7])
+        if steps >= self.config.min_steps and stats[6] >= self.config.coverage_threshold * steps:
+            return DriftReport("coverage", stats[6] / steps, math.inf, steps, self.version)
         return None
 
     def _recent_shift(self, signal: str) -> float:

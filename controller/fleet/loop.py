@@ -217,13 +217,19 @@ class ClosedLoop:
     # ---- inputs ---------------------------------------------------------------------------
     def start(self, now_s: float) -> None:
         """A cold key profiles every engine at once (no table to protect yet); a resumed
-        loop refits after a fit window of live steps instead."""
+        loop refits after a fit window of live steps instead, and watches the load from
+        its first steps: past the load the table's fit measured, as a live table is."""
         cfg = self.config
         if self.state is LoopState.LIVE:  # the fits' window may hold the lookback's steps
             self._next_refit_s = now_s + cfg.refit_interval_s
             desired = self.agent.desired()
+            measured = measured_load(desired)
+            # a replica that takes a key over in a load jump calls the table stale within
+            # seconds, where its acceptance and latency reference would learn the jump
             self.drift.set_envelope(self.publisher.active_version,
                                     None if desired is None else desired.surface, now_s,
+                                    fitted_batch_range=(None if measured is None
+                                                        else (1, math.ceil(measured))),
                                     budget=desired is not None and desired.budget is not None)
             self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version)
             return

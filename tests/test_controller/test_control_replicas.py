@@ -34,10 +34,12 @@ from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 SPEEDUP = 10.0
 SHORT_SESSION_S = 3.0
+"""The kill and stop tests' session timeout: failover within seconds, the test short."""
+STALL_S = 60.0
+"""How long the stop test holds the owner stopped: the issue's 60 s, twenty sessions."""
 IN_FLIGHT_AT_STOP = 2
 """Messages a replica stopped with SIGSTOP may have had in its producer's buffer: a profile
 block's force and the next one, 0.2 s of wall apart at `SPEEDUP`."""
-"""The kill and stop tests' session timeout: failover within seconds, the test short."""
 
 
 def keys_in_slots(slots: list[int]) -> list[TableKey]:
@@ -252,9 +254,11 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
 
 @contextlib.contextmanager
 def two_replicas_serving_two_keys(settings: Settings, tmp_path: Path, group: str,
+                                  fleet_wall_s: float = 20.0,
                                   ) -> Iterator[tuple[list[Replica], list[Fleet], list[TableKey]]]:
     """Two replicas on short sessions, settled, and a one-engine fleet on each of two keys
-    (one key per replica's slot); the replicas are stopped on the way out."""
+    (one key per replica's slot) for `fleet_wall_s` of wall time; the replicas are stopped
+    on the way out."""
     keys = keys_in_slots([0, 1])  # one each
     replicas = [Replica(settings, tmp_path / f"control-{i}.log", group,
                         session_s=SHORT_SESSION_S) for i in range(2)]
@@ -262,7 +266,8 @@ def two_replicas_serving_two_keys(settings: Settings, tmp_path: Path, group: str
         for replica in replicas:
             replica.start()
         assert wait_for(lambda: settled(replicas), 60), [r.log() for r in replicas]
-        fleets = [fleet_for(key, 1, settings, duration_s=200.0) for key in keys]
+        fleets = [fleet_for(key, 1, settings, duration_s=fleet_wall_s * SPEEDUP)
+                  for key in keys]
         for fleet in fleets:
             fleet.start()
         yield replicas, fleets, keys
@@ -307,11 +312,13 @@ def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, 
 
 
 def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, unique_name):
-    """SIGSTOP past the session timeout (4 times it), then SIGCONT: the stalled replica's
-    keys were claimed meanwhile, and nothing it sends afterwards is applied."""
+    """SIGSTOP for `STALL_S`, far past the session timeout, then SIGCONT: the stalled
+    replica's keys were claimed meanwhile, and nothing it sends afterwards is applied (the
+    engines run on past the wake, to refuse what it had in flight)."""
     settings = topic_settings
-    with two_replicas_serving_two_keys(settings, tmp_path, unique_name) as (replicas, fleets,
-                                                                           keys):
+    with two_replicas_serving_two_keys(settings, tmp_path, unique_name,
+                                       fleet_wall_s=STALL_S + 40.0) as (replicas, fleets,
+                                                                        keys):
         target = keys[0]
 
         def profiling() -> Replica | None:  # mid-profile: the owner has forces left to send
@@ -325,7 +332,7 @@ def test_a_stalled_owner_that_wakes_moves_no_engine(topic_settings, tmp_path, un
         logged_at_stop = len(owner.log())
         assert wait_for(lambda: claims_of(tables_log(settings), target)[-1].issued_by
                         == survivor.issued_by, 30), survivor.log()
-        time.sleep(max(0.0, 4 * SHORT_SESSION_S - (time.monotonic() - stopped_at)))
+        time.sleep(max(0.0, STALL_S - (time.monotonic() - stopped_at)))
         owner.signal(signal.SIGCONT)
         # the woken replica learns it lost its slots: expired (lost) when its heartbeat
         # answers first, revoked or reassigned when a rejoin does; the engines go on

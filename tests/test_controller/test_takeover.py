@@ -1,0 +1,82 @@
+"""A key another control replica takes over: the successor starts from the topic's table
+and the last minutes of telemetry, and judges that table from its first steps.
+
+In memory: at the takeover the twin's service is replaced by a new one built as
+`tabletune control` builds it for a key it is assigned (the key's newest envelope from the
+tables topic, its recent steps as the lookback); the first service, like a killed replica,
+sends nothing more."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from controller.drift import DriftConfig
+from controller.fleet.loop import ClosedLoop
+from controller.fleet.loop_config import LoopConfig
+from controller.fleet.service import ControlService
+from fitter.derive import fit_table
+from fitter.engine_consensus import with_screening
+from tests.test_controller.test_closed_loop import EAGLE
+from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
+from twin.tabletune_policy import TabletunePolicy
+
+if TYPE_CHECKING:
+    from twin.engine import StepStats, TwinEngine
+
+
+class TakenOverAt(TabletunePolicy):
+    """`tabletune`, whose key a second replica takes over at `at_s` of virtual time."""
+
+    def __init__(self, at_s: float, config: LoopConfig) -> None:
+        super().__init__(config)
+        self.at_s = at_s
+        self.first: ClosedLoop | None = None
+        """The first replica's loop (None before the takeover)."""
+
+    def on_step(self, engine: TwinEngine, step: StepStats) -> None:
+        if self.first is None and step.t_s >= self.at_s:
+            self.first = self.loop
+            self.service = self._successor()
+        super().on_step(engine, step)
+
+    def _successor(self) -> ControlService:
+        old = self.first
+        assert old is not None and self.key is not None and self.channel is not None
+        channel = self.channel
+        successor = ControlService(with_screening(fit_table), lambda _key: channel,
+                                   config=self.config, tick_s=self.tick_s)
+        successor.engine_started(self.key, old.limits, old.startup_table)
+        current = old.agent.desired()
+        assert current is not None  # the tables topic's newest table
+        successor.table_seen(current)
+        lookback = old.window.window(old.clock_s)
+        assert lookback is not None
+        successor.history(lookback)
+        return successor
+
+
+def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> None:
+    """EAGLE, 16 users then 128, the key taken over 2 s after the jump: the successor's
+    table was fitted at 16, and the successor calls it stale on its coverage within
+    seconds of resuming, as the first replica would have, rather than learning the new
+    load as the table's reference. (A one-engine key's own load check is off here:
+    `probe_block_s` 0 makes it re-profile as a fleet's canaries do.)"""
+    config = LoopConfig(probe_block_s=0.0, drift=DriftConfig())
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=60, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy = TakenOverAt(92.0, config)
+    run_scenario(scenario, policy)
+    policy.close()
+    first, successor = policy.first, policy.loop
+    assert first is not None and successor is not None and successor is not first
+    assert not [d for d in first.decisions if d.what == "stale"], first.decisions
+    decisions = successor.decisions
+    assert decisions[0].what == "resume", decisions
+    stale = next(d for d in decisions if d.what == "stale")
+    assert stale.fields["signal"] == "coverage", decisions
+    assert stale.t_s - decisions[0].t_s <= 10.0, decisions
+    reprofile = next(d for d in decisions if d.what == "reprofile")
+    assert reprofile.t_s == stale.t_s, decisions

@@ -316,7 +316,8 @@ class DriftDetector:
             coverage = self._coverage(self._ref_stats)
             if coverage is None and now_s - self._since_s < cfg.warmup_s + cfg.reference_s:
                 return None
-            report = coverage or self._end_reference()
+            misfit = self._end_reference()
+            report = coverage or misfit
             if report is not None:
                 self.state = DriftState.STALE
                 self._reported_s = now_s

@@ -77,6 +77,7 @@ def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> Non
     assert decisions[0].what == "resume", decisions
     stale = next(d for d in decisions if d.what == "stale")
     assert stale.fields["signal"] == "coverage", decisions
-    assert stale.t_s - decisions[0].t_s <= 10.0, decisions
+    # the detector's `min_steps` at 128 users take about 9 s; its reference, 30 s
+    assert stale.t_s - decisions[0].t_s <= 15.0, decisions
     reprofile = next(d for d in decisions if d.what == "reprofile")
     assert reprofile.t_s == stale.t_s, decisions

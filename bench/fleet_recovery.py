@@ -176,6 +176,10 @@ def recovery(name: str, seed: int, engines: int, speedup: float,
             "canary": canary_cost(fleet, decisions, epoch_s, phase),
             "stale_events": sum(1 for d in decisions if d.what == "stale"),
             "versions": sorted({d.fields["version"] for d in decisions if d.what == "stage"}),
+            # what the key ran in the phase, and from when: a reader sees which table scored
+            "staged": [{"t_s": round(d.t_s - epoch_s, 1), "version": d.fields["version"],
+                        "table": d.fields["table"]} for d in decisions
+                       if d.what == "stage" and phase["start_s"] <= d.t_s - epoch_s < end],
             "whole_phase": {"window_s": [phase["start_s"], end], **whole},
         })
     learning = ("stale", "reprofile", "recall", "latency_forgotten", "roll_back")

@@ -185,6 +185,9 @@ class ClosedLoop:
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         self._unmeasured_version = -1
         """The table version whose load the loop last found unmeasured (`_unmeasured_load`)."""
+        self._resumed_report: DriftReport | None = None
+        """What the steps before a resumed loop started said of its table: acted on at the
+        first tick, once live steps name the engines (`_resume_watch`)."""
         folded = [m for m in log if not (isinstance(m, TableControl) and m.action == "claim")]
         if current is not None or newest_version > 0 or folded:  # LIVE, with a refit due
             self.publisher.resume(current, newest_version, log)
@@ -217,23 +220,39 @@ class ClosedLoop:
     # ---- inputs ---------------------------------------------------------------------------
     def start(self, now_s: float) -> None:
         """A cold key profiles every engine at once (no table to protect yet); a resumed
-        loop refits after a fit window of live steps instead, and watches the load from
-        its first steps: past the load the table's fit measured, as a live table is."""
+        loop refits after a fit window of live steps instead, and judges the table from
+        the steps before it started (`_resume_watch`)."""
         cfg = self.config
         if self.state is LoopState.LIVE:  # the fits' window may hold the lookback's steps
             self._next_refit_s = now_s + cfg.refit_interval_s
-            desired = self.agent.desired()
-            measured = measured_load(desired)
-            # a replica that takes a key over in a load jump calls the table stale within
-            # seconds, where its acceptance and latency reference would learn the jump
-            self.drift.set_envelope(self.publisher.active_version,
-                                    None if desired is None else desired.surface, now_s,
-                                    fitted_batch_range=(None if measured is None
-                                                        else (1, math.ceil(measured))),
-                                    budget=desired is not None and desired.budget is not None)
+            self._resume_watch(now_s)
             self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version)
             return
         self.planner.start_profile(now_s, cfg.profile_block_s)
+
+    def _resume_watch(self, now_s: float) -> None:
+        """A resumed loop's drift detector watches the load past what the table's fit
+        measured (`measured_load`), as a live table's does. Its reference is the last
+        `reference_s` of the steps from before the loop started, where they hold `min_steps`
+        of the running version: a replica that takes a key over in a drift judges the table
+        at its first tick, where a reference of live steps takes 22 s and learns the drift
+        as the table's own misfit."""
+        drift = self.config.drift
+        desired = self.agent.desired()
+        version = self.publisher.active_version
+        measured = measured_load(desired)
+        span_s = drift.warmup_s + drift.reference_s
+        recent = self.window.window(now_s, since_s=now_s - span_s)
+        steps = None if recent is None else StepColumns.from_records(recent)
+        backdated = (steps is not None
+                     and int(np.count_nonzero(steps.version == version)) >= drift.min_steps)
+        self.drift.set_envelope(version, None if desired is None else desired.surface,
+                                now_s - span_s if backdated else now_s,
+                                fitted_batch_range=(None if measured is None
+                                                    else (1, math.ceil(measured))),
+                                budget=desired is not None and desired.budget is not None)
+        if backdated and steps is not None:
+            self._resumed_report = self.drift.observe(steps)
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
                 after_drift: bool = False) -> None:
@@ -346,7 +365,9 @@ class ClosedLoop:
             return
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
-        report = self.drift.observe(steps) or self._unmeasured_load(now_s)
+        observed = self.drift.observe(steps)
+        report = self._resumed_report or observed or self._unmeasured_load(now_s)
+        self._resumed_report = None
         if report is not None:
             self._stale(report, now_s)
 

@@ -24,8 +24,9 @@ class RecordWindow:
         """Engine id -> telemetry time of its last step (who is live, for canaries)."""
 
     def preload(self, records: pa.Table) -> None:
-        """Steps from before the loop started (a restarted service's lookback): kept for
-        the fits' window only, never shown to the guardrail or the drift detector."""
+        """Steps from before the loop started (a restarted service's lookback, or the
+        telemetry a replica kept of a key it takes over): for the fits' window, and for a
+        resumed loop's drift reference (`ClosedLoop._resume_watch`), never the guardrail."""
         if records.num_rows:
             self._records.append(records.sort_by("ts_ns"))
 

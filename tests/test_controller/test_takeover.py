@@ -16,7 +16,7 @@ from controller.fleet.loop_config import LoopConfig
 from controller.fleet.service import ControlService
 from fitter.derive import fit_table
 from fitter.engine_consensus import with_screening
-from tests.test_controller.test_closed_loop import EAGLE
+from tests.test_controller.test_closed_loop import EAGLE, NGRAM_POOR_CHAT, ngram_chat_to_code
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
 from twin.tabletune_policy import TabletunePolicy
 
@@ -81,3 +81,39 @@ def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> Non
     assert stale.t_s - decisions[0].t_s <= 15.0, decisions
     reprofile = next(d for d in decisions if d.what == "reprofile")
     assert reprofile.t_s == stale.t_s, decisions
+
+
+def test_a_key_taken_over_in_a_workload_switch_is_called_stale_at_its_first_tick() -> None:
+    """n-gram, chat then code from 70 s, the key taken over at 80 s, before the first
+    replica's detector had called its window stale (91 s alone): the successor's reference is
+    the last 20 s of steps before it started, which miss the table's acceptance by a drift,
+    so it calls the table stale at its first tick; a reference of its own live steps would
+    take 22 s and learn the code traffic as the table's misfit."""
+    config = LoopConfig(probe_block_s=0.0)
+    policy = TakenOverAt(80.0, config)
+    run_scenario(ngram_chat_to_code(code_s=100, chat=NGRAM_POOR_CHAT), policy)
+    policy.close()
+    first, successor = policy.first, policy.loop
+    assert first is not None and successor is not None and successor is not first
+    assert not [d for d in first.decisions if d.what == "stale"], first.decisions
+    decisions = successor.decisions
+    assert decisions[0].what == "resume", decisions
+    stale = next(d for d in decisions if d.what == "stale")
+    assert stale.fields["signal"] == "acceptance", decisions
+    assert stale.t_s - decisions[0].t_s <= 2 * config.drift.chunk_s, decisions
+
+
+def test_a_key_taken_over_in_steady_traffic_goes_on_with_its_table() -> None:
+    """EAGLE at 16 users throughout, the key taken over at 150 s: the successor's reference
+    from the steps before it started finds nothing to call stale, and no re-profile starts."""
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=300, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),))
+    policy = TakenOverAt(150.0, LoopConfig(probe_block_s=0.0))
+    run_scenario(scenario, policy)
+    policy.close()
+    successor = policy.loop
+    assert successor is not None and successor is not policy.first
+    assert successor.decisions[0].what == "resume"
+    assert not [d for d in successor.decisions if d.what in ("stale", "reprofile")], \
+        successor.decisions

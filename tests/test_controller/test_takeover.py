@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.drift import DriftConfig
+from controller.fleet.decisions import Decision
 from controller.fleet.loop import ClosedLoop
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.service import ControlService
@@ -55,13 +55,25 @@ class TakenOverAt(TabletunePolicy):
         return successor
 
 
+def successor_stale(policy: TakenOverAt) -> tuple[list[Decision], Decision]:
+    """The successor's decisions and its first `stale`, after checking that it resumed
+    the key and that the first replica had called nothing stale before it."""
+    first, successor = policy.first, policy.loop
+    assert first is not None and successor is not None and successor is not first
+    assert not [d for d in first.decisions if d.what == "stale"], first.decisions
+    decisions = successor.decisions
+    assert decisions[0].what == "resume", decisions
+    stale = next(d for d in decisions if d.what == "stale")
+    return decisions, stale
+
+
 def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> None:
     """EAGLE, 16 users then 128, the key taken over 2 s after the jump: the successor's
     table was fitted at 16, and the successor calls it stale on its coverage within
     seconds of resuming, as the first replica would have, rather than learning the new
     load as the table's reference. (A one-engine key's own load check is off here:
     `probe_block_s` 0 makes it re-profile as a fleet's canaries do.)"""
-    config = LoopConfig(probe_block_s=0.0, drift=DriftConfig())
+    config = LoopConfig(probe_block_s=0.0)
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
         PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
                     prompt_len=355, output_len=300),
@@ -70,12 +82,7 @@ def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> Non
     policy = TakenOverAt(92.0, config)
     run_scenario(scenario, policy)
     policy.close()
-    first, successor = policy.first, policy.loop
-    assert first is not None and successor is not None and successor is not first
-    assert not [d for d in first.decisions if d.what == "stale"], first.decisions
-    decisions = successor.decisions
-    assert decisions[0].what == "resume", decisions
-    stale = next(d for d in decisions if d.what == "stale")
+    decisions, stale = successor_stale(policy)
     assert stale.fields["signal"] == "coverage", decisions
     # the detector's `min_steps` at 128 users take about 9 s; its reference, 30 s
     assert stale.t_s - decisions[0].t_s <= 15.0, decisions
@@ -93,12 +100,7 @@ def test_a_key_taken_over_in_a_workload_switch_is_called_stale_at_its_first_tick
     policy = TakenOverAt(80.0, config)
     run_scenario(ngram_chat_to_code(code_s=100, chat=NGRAM_POOR_CHAT), policy)
     policy.close()
-    first, successor = policy.first, policy.loop
-    assert first is not None and successor is not None and successor is not first
-    assert not [d for d in first.decisions if d.what == "stale"], first.decisions
-    decisions = successor.decisions
-    assert decisions[0].what == "resume", decisions
-    stale = next(d for d in decisions if d.what == "stale")
+    decisions, stale = successor_stale(policy)
     assert stale.fields["signal"] == "acceptance", decisions
     assert stale.t_s - decisions[0].t_s <= 2 * config.drift.chunk_s, decisions
 

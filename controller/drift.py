@@ -201,6 +201,8 @@ class DriftDetector:
         self._fit_se = (0.0, 0.0)
         """The same for the fit's steps against their own envelope: the prediction's error."""
         self._fit_chunks = 0
+        self._referenced = False
+        """The active table's reference was learned (a coverage report can cut it short)."""
         self._open: tuple[int, float, NDArray[np.float64]] | None = None
         """(chunk index, newest step time, summed stats) of the chunk still filling."""
 
@@ -225,6 +227,7 @@ class DriftDetector:
         self._ref_lat = self._ref_acc = 0.0
         self._fit_se = (0.0, 0.0)
         self._fit_chunks = 0
+        self._referenced = self.config.reference_s <= 0  # no reference period: none to learn
         self._fitted_range = fitted_batch_range
         self._misfit_factor = (self.config.confirmed_misfit_factor if confirmed
                                else self.config.misfit_factor)
@@ -262,12 +265,17 @@ class DriftDetector:
         `renotify_s` as any other."""
         if self._latency is None or self.config.reference_s <= 0:
             return
-        self._window.clear()
         self._open = None
+        self._misfit_factor = math.inf
+        self._learn_reference(now_s)
+
+    def _learn_reference(self, now_s: float) -> None:
+        """Learn the table's reference again from `now_s`."""
+        self._window.clear()
         self._since_s = now_s
         self._ref_stats = np.zeros(_STATS)
         self._ref_chunks = []
-        self._misfit_factor = math.inf
+        self._referenced = False
         self.state = DriftState.REFERENCE
 
     def after_sweep(self, now_s: float) -> None:
@@ -311,13 +319,13 @@ class DriftDetector:
             self._ref_stats += stats
             self._ref_chunks.append(stats)
             # the load needs no reference: a table that starts (or a replica that resumes)
-            # in a load jump is stale from its first few hundred steps, and its reference
-            # ends there, at the new load
-            coverage = self._coverage(self._ref_stats)
-            if coverage is None and now_s - self._since_s < cfg.warmup_s + cfg.reference_s:
-                return None
-            misfit = self._end_reference()
-            report = coverage or misfit
+            # in a load jump is stale from its first few hundred steps; its reference is
+            # learned again once the report's quiet spell is over (`renotify_s`)
+            report = self._coverage(self._ref_stats)
+            if report is None:
+                if now_s - self._since_s < cfg.warmup_s + cfg.reference_s:
+                    return None
+                report = self._end_reference()
             if report is not None:
                 self.state = DriftState.STALE
                 self._reported_s = now_s
@@ -327,6 +335,9 @@ class DriftDetector:
             self._window.popleft()
         if self.state is DriftState.STALE:
             if now_s - self._reported_s < cfg.renotify_s:
+                return None
+            if not self._referenced:  # a coverage report cut its reference short
+                self._learn_reference(now_s)
                 return None
             self.state = DriftState.WATCHING
         report = self._check(now_s)
@@ -382,6 +393,7 @@ class DriftDetector:
         self._ref_se = (max(self._chunk_se(chunks, 0), wander[0]),
                         max(self._chunk_se(chunks, 3), wander[1]))
         self.state = DriftState.WATCHING
+        self._referenced = True
         return self._misfit_report((max(self._batch_means_se(chunks, 0), wander[0]),
                                     max(self._batch_means_se(chunks, 3), wander[1])))
 

@@ -244,12 +244,16 @@ class ClosedLoop:
         span_s = drift.warmup_s + drift.reference_s
         recent = self.window.window(now_s, since_s=now_s - span_s)
         steps = None if recent is None else StepColumns.from_records(recent)
-        backdated = (steps is not None
-                     and int(np.count_nonzero(steps.version == version)) >= drift.min_steps)
-        self.drift.set_envelope(version, None if desired is None else desired.surface,
-                                now_s - span_s if backdated else now_s,
+        if steps is not None:  # the table's own steps: a dead owner's forced blocks are not
+            steps = steps.select((steps.version == version) & ~steps.forced)
+        backdated = steps is not None and len(steps) >= drift.min_steps
+        # not from before the table ran: its warm-up then skips what the last one left
+        since_s = max(now_s - span_s, float(steps.t_s.min())) if backdated and steps is not None else now_s
+        self.drift.set_envelope(version, None if desired is None else desired.surface, since_s,
                                 fitted_batch_range=(None if measured is None
                                                     else (1, math.ceil(measured))),
+                                confirmed=(desired is not None
+                                           and CHOSEN_AMONG_K in desired.provenance),
                                 budget=desired is not None and desired.budget is not None)
         if backdated and steps is not None:
             self._resumed_report = self.drift.observe(steps)
@@ -291,6 +295,7 @@ class ClosedLoop:
             return
         if control.action not in OPERATOR_ACTIONS:
             return  # force and release are the loop's own (or another replica's)
+        self._resumed_report = None  # the operator's move comes after what it said
         if control.targets:  # a part of the fleet: the loop decides for all of it
             self._decisions.note(now_s, What.OPERATOR_CONTROL_IGNORED, action=control.action,
                                  reason="targeted", targets=list(control.targets))
@@ -352,6 +357,7 @@ class ClosedLoop:
         self.guardrail.observe(steps)
         verdict = self.guardrail.verdict(now_s)
         if verdict is Verdict.ROLL_BACK:
+            self._resumed_report = None
             evidence = dict(self.guardrail.last_evidence)
             self._decisions.note(now_s, What.ROLL_BACK, **evidence)
             evidence.pop("old_version", None)
@@ -366,8 +372,10 @@ class ClosedLoop:
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
         observed = self.drift.observe(steps)
-        report = self._resumed_report or observed or self._unmeasured_load(now_s)
-        self._resumed_report = None
+        resumed, self._resumed_report = self._resumed_report, None
+        if resumed is not None and resumed.version != self.drift.version:
+            resumed = None  # said of a table the fleet no longer runs
+        report = resumed or observed or self._unmeasured_load(now_s)
         if report is not None:
             self._stale(report, now_s)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from controller.drift import DriftConfig
 from controller.fleet.decisions import Decision
 from controller.fleet.loop import ClosedLoop
 from controller.fleet.loop_config import LoopConfig
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
 class TakenOverAt(TabletunePolicy):
     """`tabletune`, whose key a second replica takes over at `at_s` of virtual time."""
 
-    def __init__(self, at_s: float, config: LoopConfig) -> None:
+    def __init__(self, at_s: float, config: LoopConfig,
+                 successor_config: LoopConfig | None = None) -> None:
         super().__init__(config)
         self.at_s = at_s
+        self.successor_config = successor_config or config
         self.first: ClosedLoop | None = None
         """The first replica's loop (None before the takeover)."""
 
@@ -44,7 +47,7 @@ class TakenOverAt(TabletunePolicy):
         assert old is not None and self.key is not None and self.channel is not None
         channel = self.channel
         successor = ControlService(with_screening(fit_table), lambda _key: channel,
-                                   config=self.config, tick_s=self.tick_s)
+                                   config=self.successor_config, tick_s=self.tick_s)
         successor.engine_started(self.key, old.limits, old.startup_table)
         current = old.agent.desired()
         assert current is not None  # the tables topic's newest table
@@ -88,6 +91,27 @@ def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> Non
     assert stale.t_s - decisions[0].t_s <= 15.0, decisions
     reprofile = next(d for d in decisions if d.what == "reprofile")
     assert reprofile.t_s == stale.t_s, decisions
+
+
+def test_a_load_jump_the_first_replica_missed_is_called_stale_at_the_successors_first_tick(
+        ) -> None:
+    """EAGLE, 16 users then 128 from 90 s; the first replica's coverage signal is off, so it
+    runs its 16-user table on; the key taken over at 120 s. The successor's reference is
+    the steps before it started, all at 128 users: coverage fires on them, and the table is
+    called stale at the successor's first tick (its live steps alone take about 9 s)."""
+    successor_config = LoopConfig(probe_block_s=0.0)
+    first_config = LoopConfig(probe_block_s=0.0, drift=DriftConfig(coverage_threshold=1.01))
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=60, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy = TakenOverAt(120.0, first_config, successor_config)
+    run_scenario(scenario, policy)
+    policy.close()
+    decisions, stale = successor_stale(policy)
+    assert stale.fields["signal"] == "coverage", decisions
+    assert stale.t_s - decisions[0].t_s <= 2 * successor_config.drift.chunk_s, decisions
 
 
 def test_a_key_taken_over_in_a_workload_switch_is_called_stale_at_its_first_tick() -> None:

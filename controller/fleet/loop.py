@@ -243,20 +243,21 @@ class ClosedLoop:
         measured = measured_load(desired)
         span_s = drift.warmup_s + drift.reference_s
         recent = self.window.window(now_s, since_s=now_s - span_s)
-        steps = None if recent is None else StepColumns.from_records(recent)
-        if steps is not None:  # the table's own steps: a dead owner's forced blocks are not
+        own: StepColumns | None = None  # the table's steps: a dead owner's forced blocks are not
+        if recent is not None:
+            steps = StepColumns.from_records(recent)
             steps = steps.select((steps.version == version) & ~steps.forced)
-        backdated = steps is not None and len(steps) >= drift.min_steps
+            own = steps if len(steps) >= drift.min_steps else None
         # not from before the table ran: its warm-up then skips what the last one left
-        since_s = max(now_s - span_s, float(steps.t_s.min())) if backdated and steps is not None else now_s
+        since_s = now_s if own is None else max(now_s - span_s, float(own.t_s.min()))
         self.drift.set_envelope(version, None if desired is None else desired.surface, since_s,
                                 fitted_batch_range=(None if measured is None
                                                     else (1, math.ceil(measured))),
                                 confirmed=(desired is not None
                                            and CHOSEN_AMONG_K in desired.provenance),
                                 budget=desired is not None and desired.budget is not None)
-        if backdated and steps is not None:
-            self._resumed_report = self.drift.observe(steps)
+        if own is not None:
+            self._resumed_report = self.drift.observe(own)
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
                 after_drift: bool = False) -> None:
@@ -357,7 +358,6 @@ class ClosedLoop:
         self.guardrail.observe(steps)
         verdict = self.guardrail.verdict(now_s)
         if verdict is Verdict.ROLL_BACK:
-            self._resumed_report = None
             evidence = dict(self.guardrail.last_evidence)
             self._decisions.note(now_s, What.ROLL_BACK, **evidence)
             evidence.pop("old_version", None)
@@ -374,7 +374,7 @@ class ClosedLoop:
         observed = self.drift.observe(steps)
         resumed, self._resumed_report = self._resumed_report, None
         if resumed is not None and resumed.version != self.drift.version:
-            resumed = None  # said of a table the fleet no longer runs
+            resumed = None  # said of a table the fleet no longer runs (a roll-back's too)
         report = resumed or observed or self._unmeasured_load(now_s)
         if report is not None:
             self._stale(report, now_s)

@@ -70,6 +70,15 @@ def successor_stale(policy: TakenOverAt) -> tuple[list[Decision], Decision]:
     return decisions, stale
 
 
+def eagle_16_then_128() -> Scenario:
+    """EAGLE on one engine, 16 users for 90 s, then 128 for 60 s."""
+    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=60, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+
+
 def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> None:
     """EAGLE, 16 users then 128, the key taken over 2 s after the jump: the successor's
     table was fitted at 16, and the successor calls it stale on its coverage within
@@ -77,13 +86,8 @@ def test_a_key_taken_over_in_a_load_jump_is_called_stale_within_seconds() -> Non
     load as the table's reference. (A one-engine key's own load check is off here:
     `probe_block_s` 0 makes it re-profile as a fleet's canaries do.)"""
     config = LoopConfig(probe_block_s=0.0)
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
-        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
-                    prompt_len=355, output_len=300),
-        PhaseConfig(name="c128", duration_s=60, concurrency=128, acceptance=EAGLE,
-                    prompt_len=355, output_len=300)))
     policy = TakenOverAt(92.0, config)
-    run_scenario(scenario, policy)
+    run_scenario(eagle_16_then_128(), policy)
     policy.close()
     decisions, stale = successor_stale(policy)
     assert stale.fields["signal"] == "coverage", decisions
@@ -101,13 +105,8 @@ def test_a_load_jump_the_first_replica_missed_is_called_stale_at_the_successors_
     called stale at the successor's first tick (its live steps alone take about 9 s)."""
     successor_config = LoopConfig(probe_block_s=0.0)
     first_config = LoopConfig(probe_block_s=0.0, drift=DriftConfig(coverage_threshold=1.01))
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
-        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
-                    prompt_len=355, output_len=300),
-        PhaseConfig(name="c128", duration_s=60, concurrency=128, acceptance=EAGLE,
-                    prompt_len=355, output_len=300)))
     policy = TakenOverAt(120.0, first_config, successor_config)
-    run_scenario(scenario, policy)
+    run_scenario(eagle_16_then_128(), policy)
     policy.close()
     decisions, stale = successor_stale(policy)
     assert stale.fields["signal"] == "coverage", decisions

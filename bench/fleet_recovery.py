@@ -251,8 +251,8 @@ def run_markdown(results: list[dict[str, Any]]) -> str:
     for result in results:
         run = result["run"]
         phases = ", ".join(f"{p['fleet']:.3f} ({p['in_memory']:.3f})" for p in run["phases"])
-        returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s" for p in result["reprofiles"]
-                   if p["return"]]
+        returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s {p['signal']}"
+                   for p in result["reprofiles"] if p["return"]]
         lines.append(
             f"| {result['scenario']} | {result['seed']} | {result['engines']} | "
             f"{run['fleet']['vs_per_phase_best']:.3f} | "

@@ -93,11 +93,15 @@ def _traffic(phase: Any) -> tuple[Any, ...]:
 
 
 def reprofiles(scenario: Any, decisions: Any) -> list[dict[str, Any]]:
-    """Each re-profile: when, in which phase, and whether that phase's traffic ran before
-    (a return, where the loop should need no new measurement)."""
+    """Each re-profile: when, in which phase, whether that phase's traffic ran before (a
+    return, where the loop should need no new measurement), and the drift signal that
+    started it."""
     starts = np.cumsum([0.0, *(p.duration_s for p in scenario.phases)])
     found = []
+    signal = None
     for decision in decisions:
+        if decision.what == "stale":
+            signal = decision.fields.get("signal")
         if decision.what != "reprofile":
             continue
         index = int(np.searchsorted(starts, decision.t_s, side="right")) - 1
@@ -106,7 +110,7 @@ def reprofiles(scenario: Any, decisions: Any) -> list[dict[str, Any]]:
         seen = {_traffic(p) for p in scenario.phases[:index]}
         found.append({"t_s": decision.t_s, "phase": phase.name or str(index + 1),
                       "into_phase_s": round(decision.t_s - float(starts[index]), 1),
-                      "return": _traffic(phase) in seen})
+                      "return": _traffic(phase) in seen, "signal": signal})
     return found
 
 
@@ -143,7 +147,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def _reprofile_cell(reprofiles: list[dict[str, Any]]) -> str:
-    returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s" for p in reprofiles if p["return"]]
+    returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s {p['signal']}"
+               for p in reprofiles if p["return"]]
     return f"{len(reprofiles)} ({', '.join(returns) or 'none'})"
 
 

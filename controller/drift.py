@@ -143,10 +143,17 @@ class DriftReport:
     z: float
     steps: int
     version: int
+    against_prediction: float = math.nan
+    """The same change against the table's own prediction, the reference's miss included
+    (latency and acceptance): a rise back to what the table priced hides nothing from it."""
 
     def fields(self) -> dict[str, Any]:
-        return {"signal": self.signal, "magnitude": round(self.magnitude, 4),
-                "z": round(min(self.z, 999.0), 2), "steps": self.steps, "version": self.version}
+        fields = {"signal": self.signal, "magnitude": round(self.magnitude, 4),
+                  "z": round(min(self.z, 999.0), 2), "steps": self.steps,
+                  "version": self.version}
+        if math.isfinite(self.against_prediction):
+            fields["against_prediction"] = round(self.against_prediction, 4)
+        return fields
 
 
 BATCH_MEANS_SIZES = (1, 2, 4)
@@ -412,7 +419,8 @@ class DriftDetector:
                     and abs(value) >= math.log1p(self._misfit_factor * threshold)
                     and se > 0 and abs(value) / se >= cfg.z):
                 return DriftReport(signal, math.expm1(value), abs(value) / se,
-                                   int(self._ref_stats[7]), self.version)
+                                   int(self._ref_stats[7]), self.version,
+                                   against_prediction=math.expm1(value))
         return None
 
     def _chunked(self, steps: StepColumns) -> NDArray[np.float64]:
@@ -475,8 +483,10 @@ class DriftDetector:
                                threshold))
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
-                return DriftReport(signal, math.expm1(self._recent_shift(signal)), z, steps,
-                                   self.version)
+                shift = self._recent_shift(signal)
+                reference = self._ref_lat if signal == "latency" else self._ref_acc
+                return DriftReport(signal, math.expm1(shift), z, steps, self.version,
+                                   against_prediction=math.expm1(shift + reference))
         return None
 
     def _coverage(self, stats: NDArray[np.float64]) -> DriftReport | None:

@@ -93,12 +93,16 @@ def test_reprofiles_are_placed_in_their_phase_and_flagged_on_a_return():
 
     scenario = Scenario(engine=EngineConfig(), phases=(
         phase("low", 2), phase("high", 16), phase("low-again", 2)))
-    decisions = [SimpleNamespace(what=what, t_s=t_s) for what, t_s in (
-        ("reprofile", 130.0), ("stale", 210.0), ("reprofile", 250.0))]
+    decisions = [SimpleNamespace(what=what, t_s=t_s, fields={"signal": signal})
+                 for what, t_s, signal in (
+                     ("stale", 130.0, "coverage"), ("reprofile", 130.0, None),
+                     ("stale", 210.0, "acceptance"), ("reprofile", 250.0, None))]
     found = reprofiles(scenario, decisions)
     assert found == [
-        {"t_s": 130.0, "phase": "high", "into_phase_s": 30.0, "return": False},
-        {"t_s": 250.0, "phase": "low-again", "into_phase_s": 50.0, "return": True}]
+        {"t_s": 130.0, "phase": "high", "into_phase_s": 30.0, "return": False,
+         "signal": "coverage"},
+        {"t_s": 250.0, "phase": "low-again", "into_phase_s": 50.0, "return": True,
+         "signal": "acceptance"}]
 
 
 def test_swing_account_every_second_per_phase_and_over_the_run():

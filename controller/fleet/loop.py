@@ -390,28 +390,41 @@ class ClosedLoop:
         if self.config.reprofile_on_stale:
             if self._recall(report.version, now_s):
                 return
+            hidden = Hidden.of(report.signal, report.magnitude)
+            if hidden is Hidden.ACCEPTANCE and self._priced_rise(report):
+                self._settle(now_s, reason="acceptance rose, to within the threshold of "
+                                           "the table's prediction")
+                return
             # the traffic moved away from the table's regime (a latency drift need not):
             # once a table fitted on it goes out, that regime may be recalled again
             self._left_regime = report.signal != "latency"
-            hidden = Hidden.of(report.signal, report.magnitude)
             watched_s = max(now_s - self.config.drift.window_s, self.drift.since_s)
             if (hidden is Hidden.ACCEPTANCE and self.planner.probes(now_s)
                     and self.planner.ran_largest_k(now_s, since_s=watched_s)):
-                self._settle_at_largest_k(now_s)
+                self._settle(now_s, reason="acceptance rose where the table drafts the "
+                                           "largest K")
             else:
                 self._start_reprofile(now_s, hidden=hidden)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
 
-    def _settle_at_largest_k(self, now_s: float) -> None:
-        """Acceptance rose where a one-engine key's table drafts the largest K: its steps
-        censor no position, so a probe would only repeat them (an InstructCoder phase's
-        recalled table at K7, called stale 22 s after its recall by a reference 20% above
-        the regime's sweep, was probed 6 s for a 0.3% gain). The next refit reads the
-        settled steps as after a fall, and the detector learns the new level as its
-        reference instead of reporting the same drift every minute."""
-        self._decisions.note(now_s, What.SETTLE_REFIT,
-                             reason="acceptance rose where the table drafts the largest K")
+    def _priced_rise(self, report: DriftReport) -> bool:
+        """An acceptance rise that ends within the drift threshold of the table's own
+        prediction hides nothing the table did not price: a closed loop of 16 EAGLE users
+        read 25% under its recalled table over the reference, so the reference learned it
+        low, and back at the prediction a minute later read 30% over it (twin swing, seed
+        21: a 3 s probe then measured the same regime again)."""
+        return report.against_prediction < self.config.drift.acceptance_threshold
+
+    def _settle(self, now_s: float, *, reason: str) -> None:
+        """Acceptance rose, and hides nothing a probe would measure: to what the table
+        priced (`_priced_rise`), or where a one-engine key's table drafts the largest K,
+        whose steps censor no position (an InstructCoder phase's recalled table at K7,
+        called stale 22 s after its recall by a reference 20% above the regime's sweep,
+        was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
+        fall, and the detector learns the new level as its reference instead of reporting
+        the same drift every minute."""
+        self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s

@@ -18,7 +18,16 @@ from controller.fleet.sweep import confirmation_k_values, first_position_accepta
 from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
-from twin import EngineConfig, FixedK, PhaseConfig, Scenario, StaticTable, run_scenario
+from twin import (
+    BUILTIN_SCENARIOS,
+    EngineConfig,
+    FixedK,
+    PhaseConfig,
+    Scenario,
+    StaticTable,
+    load_scenario,
+    run_scenario,
+)
 from twin.config import CostConfig, DrafterConfig
 from twin.tabletune_policy import TabletunePolicy
 
@@ -503,6 +512,31 @@ def test_acceptance_rising_under_the_largest_k_is_settled_not_probed() -> None:
     assert forced[after].mean() <= policy.loop.config.exploration.share, forced[after].mean()
     best = run_scenario(scenario, FixedK(7))
     assert rate(tt, stale.t_s, 400.0) >= 0.98 * rate(best, stale.t_s, 400.0)
+
+
+def test_acceptance_back_at_the_tables_prediction_is_settled_not_probed() -> None:
+    """The EAGLE swing (seed 21) to its first return to 16 users, which recalls the first
+    phase's table. Its first steps read 25% under its prediction (acceptance fell:
+    settled, and the reference learned that level); a minute later acceptance is back at
+    the prediction, a 30% rise over the reference. The table priced that level, so the
+    loop probes nothing and the detector takes it as the reference."""
+    swing = load_scenario(BUILTIN_SCENARIOS / "swing-eagle-load.toml")
+    scenario = dataclasses.replace(swing, seed=21, phases=swing.phases[:3])
+    returns_s = sum(phase.duration_s for phase in scenario.phases[:2])
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    decisions = [d for d in policy.loop.decisions if d.t_s >= returns_s]
+    assert "recall" in [d.what for d in decisions], decisions
+    threshold = policy.loop.config.drift.acceptance_threshold
+    rise = next(d for d in decisions if d.what == "stale"
+                and d.fields["signal"] == "acceptance" and d.fields["magnitude"] > threshold)
+    assert abs(rise.fields["against_prediction"]) < threshold, rise
+    settle = next(d for d in decisions if d.t_s >= rise.t_s and d.what != "stale")
+    assert settle.what == "settle_refit", decisions
+    assert "prediction" in settle.fields["reason"]
+    assert "reprofile" not in [d.what for d in decisions], decisions
 
 
 def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> None:

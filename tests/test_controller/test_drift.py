@@ -169,6 +169,23 @@ def test_a_table_far_off_its_own_prediction_from_the_start_is_stale(factor: floa
     assert detector.state is DriftState.STALE
 
 
+def test_a_rise_back_to_the_prediction_is_reported_against_both() -> None:
+    """A table kept after its first steps read 25% under its prediction (a misfit, which
+    the reference learned) calls the return to its prediction a 33% rise: the report also
+    says where the steps stand against the prediction itself, which the loop reads before
+    it probes what a rise hides (twin EAGLE swing, 16 users, seed 21)."""
+    rng = np.random.default_rng(3)
+    detector = fresh()
+    [misfit] = feed(detector, rng, range(0, 40), acceptance_factor=0.75)
+    assert misfit.signal == "acceptance"
+    assert misfit.against_prediction == pytest.approx(misfit.magnitude)
+    [back] = feed(detector, rng, range(40, 120))
+    assert back.signal == "acceptance"
+    assert back.magnitude == pytest.approx(1 / 0.75 - 1, abs=0.08)
+    assert back.against_prediction == pytest.approx(0.0, abs=0.05)
+    assert back.fields()["against_prediction"] == round(back.against_prediction, 4)
+
+
 @pytest.mark.parametrize("with_yield", [True, False])
 def test_the_prediction_is_the_goodputs_with_its_composition_factor(with_yield: bool) -> None:
     """At a K far from the sweep's, a closed loop accepts less than the pooled acceptance

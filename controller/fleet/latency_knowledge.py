@@ -11,6 +11,8 @@ the remembered cells of the same shape, by the drift detector's latency threshol
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 
@@ -19,6 +21,19 @@ from fitter.surface.latency_memory import LatencyCells
 MIN_SHIFT_STEPS = 200
 """Steps in cells shared with the knowledge before a shift is read from them: the latency
 drift detector's own minimum of steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """Recent steps against the remembered cells of the same shape."""
+
+    change: float
+    """How much slower they ran (the step-weighted median of the log ratio, as a relative
+    change)."""
+    steps: int
+    """Steps behind it (per shared cell, the fewer of the two sides')."""
+    share: float
+    """Share of the recent steps that ran in a remembered shape."""
 
 
 class LatencyKnowledge:
@@ -36,10 +51,9 @@ class LatencyKnowledge:
         self.cells = LatencyCells.empty()
         return dropped
 
-    def shift(self, records: pa.Table | None) -> tuple[float, int] | None:
-        """How much slower `records`' steps ran than the remembered cells of the same shape
-        (the step-weighted median of the log ratio, as a relative change) and over how many
-        steps; None with fewer than `MIN_SHIFT_STEPS` steps in shared cells."""
+    def shift(self, records: pa.Table | None) -> Shift | None:
+        """`records`' steps against the remembered cells of the same shape; None with fewer
+        than `MIN_SHIFT_STEPS` steps in shared cells."""
         if records is None or not records.num_rows or not len(self.cells):
             return None
         recent = LatencyCells.from_records(records)
@@ -56,7 +70,8 @@ class LatencyKnowledge:
         order = np.argsort(log_ratio)
         cumulative = np.cumsum(steps[order])
         median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
-        return float(np.expm1(median)), int(steps.sum())
+        share = float(recent.weight[shared].sum() / recent.weight.sum())
+        return Shift(float(np.expm1(median)), int(steps.sum()), share)
 
     def batch_range(self) -> tuple[int, int] | None:
         return self.cells.batch_range()

@@ -110,6 +110,10 @@ UNMEASURED_SPAN_S = 5.0
 enough that a burst of arrivals is not a load, short beside a phase of traffic."""
 UNMEASURED_MIN_STEPS = 20
 """... and over at least this many steps (a slow engine's 5 s at 16 requests hold 25)."""
+KNOWN_SHARE = 0.5
+"""A latency drift is at measured step times when at least this share of the drift window's
+steps ran in shapes the latency knowledge holds: most of the load runs where it was
+measured, so the refit needs no block to price it."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -385,8 +389,7 @@ class ClosedLoop:
         self._decisions.note(now_s, What.STALE, **report.fields())
         self.guardrail.reset_baseline()
         self.window.data_since_s = now_s
-        if report.signal == "latency":
-            self._forget_if_moved(now_s)
+        known = report.signal == "latency" and self._latency_known(now_s)
         if self.config.reprofile_on_stale:
             if self._recall(report.version, now_s):
                 return
@@ -394,6 +397,9 @@ class ClosedLoop:
             if hidden is Hidden.ACCEPTANCE and self._priced_rise(report):
                 self._settle(now_s, reason="acceptance rose, to within the threshold of "
                                            "the table's prediction")
+                return
+            if known:
+                self._settle(now_s, reason="the step times where the load runs were measured")
                 return
             # the traffic moved away from the table's regime (a latency drift need not):
             # once a table fitted on it goes out, that regime may be recalled again
@@ -417,13 +423,14 @@ class ClosedLoop:
         return report.against_prediction < self.config.drift.acceptance_threshold
 
     def _settle(self, now_s: float, *, reason: str) -> None:
-        """Acceptance rose, and hides nothing a probe would measure: to what the table
-        priced (`_priced_rise`), or where a one-engine key's table drafts the largest K,
-        whose steps censor no position (an InstructCoder phase's recalled table at K7,
-        called stale 22 s after its recall by a reference 20% above the regime's sweep,
-        was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
-        fall, and the detector learns the new level as its reference instead of reporting
-        the same drift every minute."""
+        """A drift that hides nothing a probe would measure: acceptance that rose to what
+        the table priced (`_priced_rise`), or where a one-engine key's table drafts the
+        largest K, whose steps censor no position (an InstructCoder phase's recalled table
+        at K7, called stale 22 s after its recall by a reference 20% above the regime's
+        sweep, was probed 6 s for a 0.3% gain); step times the latency knowledge holds
+        (`_latency_known`). The next refit reads the settled steps as after a fall, and
+        the detector learns the new level as its reference instead of reporting the same
+        drift every minute."""
         self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
@@ -485,18 +492,25 @@ class ClosedLoop:
         self._table_regime, self._left_regime = regime, False
         return True
 
-    def _forget_if_moved(self, now_s: float) -> None:
-        """After a latency drift: if the drift window's steps ran off the remembered cells
-        of the same shape by the latency threshold, the engine's step times moved (a new
-        build, other hardware) and what was measured before is forgotten. Without shared
-        cells the drift is at a load never measured: the extrapolation missed."""
+    def _latency_known(self, now_s: float) -> bool:
+        """After a latency drift, whether the latency knowledge holds the step times the
+        drift window's steps ran at: most of them (`KNOWN_SHARE`) in remembered shapes,
+        within the latency threshold of them. Then the table's prediction missed, not the
+        engine, and the refit prices every K there as measured; no block is needed. If
+        they ran off the remembered cells by the threshold, the engine's step times moved
+        (a new build, other hardware) and what was measured before is forgotten. Without
+        shared cells the drift is at a load never measured: the extrapolation missed."""
         recent = self.window.window(now_s, since_s=now_s - self.config.drift.window_s)
-        moved = self.knowledge.shift(recent)
-        if moved is not None and abs(moved[0]) >= self.config.drift.latency_threshold:
+        shift = self.knowledge.shift(recent)
+        if shift is None:
+            return False
+        if abs(shift.change) >= self.config.drift.latency_threshold:
             cells = self.knowledge.forget()
             self.regimes.forget()  # their tables were priced at the old step times
-            self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
-                                 steps=moved[1], cells=cells)
+            self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(shift.change, 4),
+                                 steps=shift.steps, cells=cells)
+            return False
+        return shift.share >= KNOWN_SHARE
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:

@@ -30,11 +30,14 @@ def test_a_shift_is_read_against_cells_of_the_same_shape() -> None:
     same = knowledge.shift(_steps(2))
     slower = knowledge.shift(_steps(3, scale=1.4))
     assert same is not None and slower is not None
-    assert abs(same[0]) < 0.03 and same[1] >= MIN_SHIFT_STEPS
-    assert abs(slower[0] - 0.4) < 0.05
+    assert abs(same.change) < 0.03 and same.steps >= MIN_SHIFT_STEPS
+    assert abs(slower.change - 0.4) < 0.05
+    assert same.share > 0.9, same  # the same load: nearly every step in a remembered shape
     elsewhere = make_step_records(5_000, seed=4, max_batch=256)
     batch = elsewhere.column("batch_size")
     assert knowledge.shift(elsewhere.filter(pc.greater(batch, 128))) is None  # never measured
+    partly = knowledge.shift(elsewhere)  # a quarter of its steps at batch sizes past 64
+    assert partly is not None and 0.2 < partly.share < 0.8, partly
     assert knowledge.forget() > 0 and knowledge.batch_range() is None
 
 

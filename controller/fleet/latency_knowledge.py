@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from fitter.surface.fit import MEASURED_BATCH_STEPS
 from fitter.surface.latency_memory import LatencyCells
 
 MIN_SHIFT_STEPS = 200
@@ -33,7 +34,8 @@ class Shift:
     steps: int
     """Steps behind it (per shared cell, the fewer of the two sides')."""
     share: float
-    """Share of the recent steps that ran in a remembered shape."""
+    """Share of the recent steps at batch sizes the knowledge measured (`MEASURED_BATCH_STEPS`
+    steps there, at any K and context, as a fit counts them)."""
 
 
 class LatencyKnowledge:
@@ -70,8 +72,14 @@ class LatencyKnowledge:
         order = np.argsort(log_ratio)
         cumulative = np.cumsum(steps[order])
         median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
-        share = float(recent.weight[shared].sum() / recent.weight.sum())
-        return Shift(float(np.expm1(median)), int(steps.sum()), share)
+        return Shift(float(np.expm1(median)), int(steps.sum()), self._measured_share(recent))
+
+    def _measured_share(self, recent: LatencyCells) -> float:
+        batch = self.cells.batch_sizes().astype(np.int64)
+        steps = np.bincount(batch, weights=self.cells.weight)
+        measured = np.flatnonzero(steps >= MEASURED_BATCH_STEPS)
+        at = np.isin(recent.batch_sizes().astype(np.int64), measured)
+        return float(recent.weight[at].sum() / recent.weight.sum())
 
     def batch_range(self) -> tuple[int, int] | None:
         return self.cells.batch_range()

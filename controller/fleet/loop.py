@@ -111,8 +111,8 @@ enough that a burst of arrivals is not a load, short beside a phase of traffic."
 UNMEASURED_MIN_STEPS = 20
 """... and over at least this many steps (a slow engine's 5 s at 16 requests hold 25)."""
 KNOWN_SHARE = 0.5
-"""A latency drift is at measured step times when at least this share of the drift window's
-steps ran in shapes the latency knowledge holds: most of the load runs where it was
+"""A latency drift is at a measured load when at least this share of the drift window's
+steps ran at batch sizes the latency knowledge measured: most of the load runs where it was
 measured, so the refit needs no block to price it."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
@@ -493,13 +493,14 @@ class ClosedLoop:
         return True
 
     def _latency_known(self, now_s: float) -> bool:
-        """After a latency drift, whether the latency knowledge holds the step times the
-        drift window's steps ran at: most of them (`KNOWN_SHARE`) in remembered shapes,
-        within the latency threshold of them. Then the table's prediction missed, not the
-        engine, and the refit prices every K there as measured; no block is needed. If
-        they ran off the remembered cells by the threshold, the engine's step times moved
-        (a new build, other hardware) and what was measured before is forgotten. Without
-        shared cells the drift is at a load never measured: the extrapolation missed."""
+        """After a latency drift, whether the latency knowledge measured the load the drift
+        window's steps ran at: most of them (`KNOWN_SHARE`) at batch sizes it measured, and
+        those in remembered shapes within the latency threshold of them. Then the engine
+        did not move; the table's prediction missed (after a load drop, the survivors'
+        long contexts), and the refit prices every K there as measured, so no block is
+        needed. If they ran off the remembered cells by the threshold, the engine's step
+        times moved (a new build, other hardware) and what was measured before is
+        forgotten. Without shared cells there is no telling: the loop probes."""
         recent = self.window.window(now_s, since_s=now_s - self.config.drift.window_s)
         shift = self.knowledge.shift(recent)
         if shift is None:

@@ -33,9 +33,6 @@ class Shift:
     change)."""
     steps: int
     """Steps behind it (per shared cell, the fewer of the two sides')."""
-    share: float
-    """Share of the recent steps at batch sizes the knowledge measured (`MEASURED_BATCH_STEPS`
-    steps there, at any K and context, as a fit counts them)."""
 
 
 class LatencyKnowledge:
@@ -72,14 +69,18 @@ class LatencyKnowledge:
         order = np.argsort(log_ratio)
         cumulative = np.cumsum(steps[order])
         median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
-        return Shift(float(np.expm1(median)), int(steps.sum()), self._measured_share(recent))
+        return Shift(float(np.expm1(median)), int(steps.sum()))
 
-    def _measured_share(self, recent: LatencyCells) -> float:
-        batch = self.cells.batch_sizes().astype(np.int64)
-        steps = np.bincount(batch, weights=self.cells.weight)
-        measured = np.flatnonzero(steps >= MEASURED_BATCH_STEPS)
-        at = np.isin(recent.batch_sizes().astype(np.int64), measured)
-        return float(recent.weight[at].sum() / recent.weight.sum())
+    def measured_share(self, records: pa.Table | None) -> float:
+        """Share of `records`' steps at batch sizes the knowledge measured
+        (`MEASURED_BATCH_STEPS` steps there, at any K and context, as a fit counts them)."""
+        if records is None or not records.num_rows or not len(self.cells):
+            return 0.0
+        remembered = np.bincount(self.cells.batch_sizes().astype(np.int64),
+                                 weights=self.cells.weight)
+        measured = np.flatnonzero(remembered >= MEASURED_BATCH_STEPS)
+        batch = records.column("batch_size").to_numpy()
+        return float(np.isin(batch, measured).mean())
 
     def batch_range(self) -> tuple[int, int] | None:
         return self.cells.batch_range()

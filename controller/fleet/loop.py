@@ -494,24 +494,21 @@ class ClosedLoop:
 
     def _latency_known(self, now_s: float) -> bool:
         """After a latency drift, whether the latency knowledge measured the load the drift
-        window's steps ran at: most of them (`KNOWN_SHARE`) at batch sizes it measured, and
-        those in remembered shapes within the latency threshold of them. Then the engine
-        did not move; the table's prediction missed (after a load drop, the survivors'
-        long contexts), and the refit prices every K there as measured, so no block is
-        needed. If they ran off the remembered cells by the threshold, the engine's step
-        times moved (a new build, other hardware) and what was measured before is
-        forgotten. Without shared cells there is no telling: the loop probes."""
+        window's steps ran at (`KNOWN_SHARE` of them at batch sizes it measured), and the
+        engine's step times did not move. Then the table's prediction missed (after a load
+        drop, the survivors' long contexts), and the refit prices every K there as
+        measured, so no block is needed. Steps that ran off the remembered cells of the
+        same shape by the latency threshold say the engine moved (a new build, other
+        hardware): what was measured before is forgotten, and the loop probes."""
         recent = self.window.window(now_s, since_s=now_s - self.config.drift.window_s)
         shift = self.knowledge.shift(recent)
-        if shift is None:
-            return False
-        if abs(shift.change) >= self.config.drift.latency_threshold:
+        if shift is not None and abs(shift.change) >= self.config.drift.latency_threshold:
             cells = self.knowledge.forget()
             self.regimes.forget()  # their tables were priced at the old step times
             self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(shift.change, 4),
                                  steps=shift.steps, cells=cells)
             return False
-        return shift.share >= KNOWN_SHARE
+        return self.knowledge.measured_share(recent) >= KNOWN_SHARE
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:

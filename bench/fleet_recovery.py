@@ -16,7 +16,8 @@ loop takes to react is counted too. `run` scores the whole run the same way (poo
 engines, every second from the first, against the per-phase best and the best single fixed
 K, as bench.swing does in memory), `reprofiles` lists each re-profile with its phase,
 flagged where that phase's traffic ran before, and `drifts` each drift the service called
-and what it made of it (recall, settled refit, re-profile), with their fields.
+and what it made of it (recall, settled refit, re-profile, forgetting its latency
+knowledge), and each roll-back, with their fields.
 
 With --failover, two `tabletune control` replicas share the key through their group, and the
 one that owns it is killed with -9 `--kill-after-s` wall seconds into its first re-profile:
@@ -188,7 +189,7 @@ def recovery(name: str, seed: int, engines: int, speedup: float,
             "failover": failover,
             "decisions": {what: sum(1 for d in decisions if d.what == what)
                           for what in learning},
-            # each drift and what the loop made of it: the run's own account of a re-profile
+            # each drift, what the loop made of it, and each roll-back: the run's own account
             "drifts": [{"t_s": round(d.t_s - epoch_s, 1), "what": d.what, **d.fields}
                        for d in decisions if d.what in (*learning, "settle_refit")],
             "reprofiles": reprofiles(base, [dataclasses.replace(d, t_s=d.t_s - epoch_s)

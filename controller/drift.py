@@ -264,12 +264,12 @@ class DriftDetector:
         return self._since_s
 
     def rereference(self, now_s: float) -> None:
-        """The table stays after a drift its own steps showed in full (acceptance rose where
-        it drafts the largest K): learn its new miss, latency and acceptance, as the
-        reference from `now_s`, with no misfit check, so that the detector watches for the
-        next change, not this one again every `renotify_s`. Without a reference period
-        (`reference_s` = 0) there is nothing to relearn, and the report stays quiet until
-        `renotify_s` as any other."""
+        """The table stays after a drift that hid nothing (acceptance rose where it drafts
+        the largest K, or back to its own prediction): learn its new miss, latency and
+        acceptance, as the reference from `now_s`, with no misfit check, so that the
+        detector watches for the next change, not this one again every `renotify_s`.
+        Without a reference period (`reference_s` = 0) there is nothing to relearn, and
+        the report stays quiet until `renotify_s` as any other."""
         if self._latency is None or self.config.reference_s <= 0:
             return
         self._open = None

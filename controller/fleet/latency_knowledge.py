@@ -11,28 +11,14 @@ the remembered cells of the same shape, by the drift detector's latency threshol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 
-from fitter.surface.fit import MEASURED_BATCH_STEPS
 from fitter.surface.latency_memory import LatencyCells
 
 MIN_SHIFT_STEPS = 200
 """Steps in cells shared with the knowledge before a shift is read from them: the latency
 drift detector's own minimum of steps."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shift:
-    """Recent steps against the remembered cells of the same shape."""
-
-    change: float
-    """How much slower they ran (the step-weighted median of the log ratio, as a relative
-    change)."""
-    steps: int
-    """Steps behind it (per shared cell, the fewer of the two sides')."""
 
 
 class LatencyKnowledge:
@@ -50,9 +36,10 @@ class LatencyKnowledge:
         self.cells = LatencyCells.empty()
         return dropped
 
-    def shift(self, records: pa.Table | None) -> Shift | None:
-        """`records`' steps against the remembered cells of the same shape; None with fewer
-        than `MIN_SHIFT_STEPS` steps in shared cells."""
+    def shift(self, records: pa.Table | None) -> tuple[float, int] | None:
+        """How much slower `records`' steps ran than the remembered cells of the same shape
+        (the step-weighted median of the log ratio, as a relative change) and over how many
+        steps; None with fewer than `MIN_SHIFT_STEPS` steps in shared cells."""
         if records is None or not records.num_rows or not len(self.cells):
             return None
         recent = LatencyCells.from_records(records)
@@ -69,18 +56,7 @@ class LatencyKnowledge:
         order = np.argsort(log_ratio)
         cumulative = np.cumsum(steps[order])
         median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
-        return Shift(float(np.expm1(median)), int(steps.sum()))
-
-    def measured_share(self, records: pa.Table | None) -> float:
-        """Share of `records`' steps at batch sizes the knowledge measured
-        (`MEASURED_BATCH_STEPS` steps there, at any K and context, as a fit counts them)."""
-        if records is None or not records.num_rows or not len(self.cells):
-            return 0.0
-        remembered = np.bincount(self.cells.batch_sizes().astype(np.int64),
-                                 weights=self.cells.weight)
-        measured = np.flatnonzero(remembered >= MEASURED_BATCH_STEPS)
-        batch = records.column("batch_size").to_numpy()
-        return float(np.isin(batch, measured).mean())
+        return float(np.expm1(median)), int(steps.sum())
 
     def batch_range(self) -> tuple[int, int] | None:
         return self.cells.batch_range()

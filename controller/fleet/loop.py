@@ -106,15 +106,10 @@ recalled regime's table was watched when it was first measured."""
 FOLLOWED_UP_REASONS = frozenset({"stale", "recall"})
 """Refits followed by one on the live steps at their table (`LoopConfig.follow_up_s`)."""
 UNMEASURED_SPAN_S = 5.0
-"""A load is read over this much of the newest telemetry to be called unmeasured (or
-measured): long enough that a burst of arrivals is not a load, short beside a phase of
-traffic."""
+"""A load is read over this much of the newest telemetry to be called unmeasured: long
+enough that a burst of arrivals is not a load, short beside a phase of traffic."""
 UNMEASURED_MIN_STEPS = 20
 """... and over at least this many steps (a slow engine's 5 s at 16 requests hold 25)."""
-KNOWN_SHARE = 0.5
-"""A latency drift is at a measured load when at least this share of the newest steps ran
-at batch sizes the latency knowledge measured: most of the load runs where it was measured,
-so the refit needs no block to price it."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -190,8 +185,6 @@ class ClosedLoop:
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         self._unmeasured_version = -1
         """The table version whose load the loop last found unmeasured (`_unmeasured_load`)."""
-        self._latency_settled_version = -1
-        """The table version whose latency drift the loop last settled (`_latency_known`)."""
         self._resumed_report: DriftReport | None = None
         """What the steps before a resumed loop started said of its table: acted on at the
         first tick, once live steps name the engines (`_resume_watch`)."""
@@ -392,7 +385,8 @@ class ClosedLoop:
         self._decisions.note(now_s, What.STALE, **report.fields())
         self.guardrail.reset_baseline()
         self.window.data_since_s = now_s
-        known = report.signal == "latency" and self._latency_known(report.version, now_s)
+        if report.signal == "latency":
+            self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
             if self._recall(report.version, now_s):
                 return
@@ -405,11 +399,6 @@ class ClosedLoop:
             # the traffic moved away from the table's regime (a latency drift need not):
             # once a table fitted on it goes out, that regime may be recalled again
             self._left_regime = report.signal != "latency"
-            if known:
-                self._latency_settled_version = report.version
-                self._settle(now_s, reason="the load runs at batch sizes measured, at step "
-                                           "times remembered", relearn=False)
-                return
             watched_s = max(now_s - self.config.drift.window_s, self.drift.since_s)
             if (hidden is Hidden.ACCEPTANCE and self.planner.probes(now_s)
                     and self.planner.ran_largest_k(now_s, since_s=watched_s)):
@@ -428,20 +417,17 @@ class ClosedLoop:
         21: a 3 s probe then measured the same regime again)."""
         return report.against_prediction < self.config.drift.acceptance_threshold
 
-    def _settle(self, now_s: float, *, reason: str, relearn: bool = True) -> None:
-        """A drift that hides nothing a probe would measure: acceptance that rose to what
-        the table priced (`_priced_rise`), or where a one-engine key's table drafts the
-        largest K, whose steps censor no position (an InstructCoder phase's recalled table
-        at K7, called stale 22 s after its recall by a reference 20% above the regime's
-        sweep, was probed 6 s for a 0.3% gain); a load the latency knowledge measured
-        (`_latency_known`). The next refit reads the settled steps as after a fall.
-        `relearn`: the detector learns the new level as its reference instead of reporting
-        the same drift every minute. Not after a latency drift: the reference is both
-        signals', and relearning it would hide an acceptance change that came with it."""
+    def _settle(self, now_s: float, *, reason: str) -> None:
+        """Acceptance rose, and hides nothing a probe would measure: to what the table
+        priced (`_priced_rise`), or where a one-engine key's table drafts the largest K,
+        whose steps censor no position (an InstructCoder phase's recalled table at K7,
+        called stale 22 s after its recall by a reference 20% above the regime's sweep,
+        was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
+        fall, and the detector learns the new level as its reference instead of reporting
+        the same drift every minute."""
         self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
-        if relearn:
-            self.drift.rereference(now_s)
+        self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s
 
     def _unmeasured_load(self, now_s: float) -> DriftReport | None:
@@ -500,29 +486,18 @@ class ClosedLoop:
         self._table_regime, self._left_regime = regime, False
         return True
 
-    def _latency_known(self, version: int, now_s: float) -> bool:
-        """After a latency drift, whether the load runs where the latency knowledge measured
-        it: `KNOWN_SHARE` of the newest `UNMEASURED_SPAN_S` of steps at batch sizes it
-        measured, while the steps it shares shapes with still run at the times it
-        remembers. Then the table's prediction missed, not the engine (after a load drop,
-        the survivors' long contexts, gone a minute later), and the refit prices those
-        batch sizes from measured cells: no block. Once per table version: the same drift
-        reported again a minute later (`DriftConfig.renotify_s`) is no drain, and the loop
-        probes what it may hide (the cost of each K at new contexts, an acceptance change
-        that came with it). Steps that ran off the remembered cells of the same shape by
-        the latency threshold say the engine moved (a new build, other hardware): what
-        was measured before is forgotten, and the loop probes."""
+    def _forget_if_moved(self, now_s: float) -> None:
+        """After a latency drift: if the drift window's steps ran off the remembered cells
+        of the same shape by the latency threshold, the engine's step times moved (a new
+        build, other hardware) and what was measured before is forgotten. Without shared
+        cells the drift is at a load never measured: the extrapolation missed."""
         recent = self.window.window(now_s, since_s=now_s - self.config.drift.window_s)
-        shift = self.knowledge.shift(recent)
-        if shift is not None and abs(shift.change) >= self.config.drift.latency_threshold:
+        moved = self.knowledge.shift(recent)
+        if moved is not None and abs(moved[0]) >= self.config.drift.latency_threshold:
             cells = self.knowledge.forget()
             self.regimes.forget()  # their tables were priced at the old step times
-            self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(shift.change, 4),
-                                 steps=shift.steps, cells=cells)
-            return False
-        newest = self.window.window(now_s, since_s=now_s - UNMEASURED_SPAN_S)
-        return (version != self._latency_settled_version
-                and self.knowledge.measured_share(newest) >= KNOWN_SHARE)
+            self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
+                                 steps=moved[1], cells=cells)
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:

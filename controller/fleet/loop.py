@@ -410,7 +410,7 @@ class ClosedLoop:
             self._next_refit_s = now_s + self.config.drift.window_s
 
     def _priced_rise(self, report: DriftReport) -> bool:
-        """An acceptance rise that ends within the drift threshold of the table's own
+        """An acceptance rise that ends no more than the drift threshold over the table's own
         prediction hides nothing the table did not price: a closed loop of 16 EAGLE users
         read 25% under its recalled table over the reference, so the reference learned it
         low, and back at the prediction a minute later read 30% over it (twin swing, seed

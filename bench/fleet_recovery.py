@@ -43,7 +43,7 @@ import numpy as np
 
 from bench.common import emit
 from bench.controller_bench import SETTLE_S, window_rate
-from bench.swing import reprofiles
+from bench.swing import reprofile_cell, reprofiles
 from bench.swing_account import account
 from controller.fleet.decisions import Decision
 from schemas import DraftTable
@@ -256,14 +256,12 @@ def run_markdown(results: list[dict[str, Any]]) -> str:
     for result in results:
         run = result["run"]
         phases = ", ".join(f"{p['fleet']:.3f} ({p['in_memory']:.3f})" for p in run["phases"])
-        returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s {p['signal']}"
-                   for p in result["reprofiles"] if p["return"]]
         lines.append(
             f"| {result['scenario']} | {result['seed']} | {result['engines']} | "
             f"{run['fleet']['vs_per_phase_best']:.3f} | "
             f"{run['in_memory']['vs_per_phase_best']:.3f} | "
             f"{run['fleet']['vs_best_single']:.3f} | {phases} | "
-            f"{len(result['reprofiles'])} ({', '.join(returns) or 'none'}) |")
+            f"{reprofile_cell(result['reprofiles'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -141,12 +141,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"| {_stem(r)} | {run['tok_s']['tabletune']:.0f} | "
             f"{_num(run['vs_per_phase_best'])} | {_num(run['vs_best_single'])} (K{single}) | "
             f"{_num(run['headroom'])} | {_pct(forced['share'])} "
-            f"({_pct(forced['worst_window_share'])}) | {_reprofile_cell(r['reprofiles'])} | "
+            f"({_pct(forced['worst_window_share'])}) | {reprofile_cell(r['reprofiles'])} | "
             f"{max(r['table_ranges'], default=0)} |")
     return "\n".join(lines) + "\n"
 
 
-def _reprofile_cell(reprofiles: list[dict[str, Any]]) -> str:
+def reprofile_cell(reprofiles: list[dict[str, Any]]) -> str:
+    """How many re-profiles, and each one on a return: its phase, when, its signal."""
     returns = [f"{p['phase']} +{p['into_phase_s']:.0f} s {p['signal']}"
                for p in reprofiles if p["return"]]
     return f"{len(reprofiles)} ({', '.join(returns) or 'none'})"

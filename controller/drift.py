@@ -483,10 +483,10 @@ class DriftDetector:
                                threshold))
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
-                shift = self._recent_shift(signal)
+                level = self._recent_level(signal)
                 reference = self._ref_lat if signal == "latency" else self._ref_acc
-                return DriftReport(signal, math.expm1(shift), z, steps, self.version,
-                                   against_prediction=math.expm1(shift + reference))
+                return DriftReport(signal, math.expm1(level - reference), z, steps,
+                                   self.version, against_prediction=math.expm1(level))
         return None
 
     def _coverage(self, stats: NDArray[np.float64]) -> DriftReport | None:
@@ -496,9 +496,10 @@ class DriftDetector:
             return DriftReport("coverage", stats[6] / steps, math.inf, steps, self.version)
         return None
 
-    def _recent_shift(self, signal: str) -> float:
-        """The shift over the newest `min_steps` steps: a drift is caught while the window
-        still mixes old and new steps, and the fitter wants the size of the new regime."""
+    def _recent_level(self, signal: str) -> float:
+        """The log ratio to the prediction over the newest `min_steps` steps: a drift is
+        caught while the window still mixes old and new steps, and the fitter wants the
+        size of the new regime."""
         stats = np.zeros(_STATS)
         column = 0 if signal == "latency" else 3
         for _, chunk in reversed(self._window):
@@ -506,4 +507,4 @@ class DriftDetector:
             if stats[column] >= self.config.min_steps:
                 break
         lat, acc = self._means(stats)
-        return lat - self._ref_lat if signal == "latency" else acc - self._ref_acc
+        return lat if signal == "latency" else acc

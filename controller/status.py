@@ -21,7 +21,10 @@ from schemas.settings import Settings
 log = logging.getLogger(__name__)
 
 EVENTS = ("applied", "rejected", "rolled_back", "stale", "started", "forced", "released",
-          "conflict")
+          "conflict", "latency_knowledge")
+BULKY_FIELDS = frozenset({"cells"})
+"""Fields the topic carries whole, but the log line and the in-process ring only count: a
+`latency_knowledge` event holds up to a few thousand latency cells."""
 
 
 class StatusPublisher:
@@ -47,14 +50,15 @@ class StatusPublisher:
         payload = {"event": event, "engine_id": self.engine_id, "table_key": self.table_key,
                    "at": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
                    **fields}
-        self.recent.append(payload)
+        summary = summarized(payload)
+        self.recent.append(summary)
         self.counts[event] += 1
         if event == "rejected":
             self.rejections[str(fields.get("reason"))] += 1
-        log.info("table status %s", payload)
+        log.info("table status %s", summary)
         if self.settings is not None and self.settings.bootstrap_servers:
             self._publish(payload)
-        return payload
+        return summary
 
     def _publish(self, payload: dict[str, Any]) -> None:
         with self._lock:
@@ -91,3 +95,14 @@ class StatusPublisher:
             if self._producer is not None:
                 close_producer(self._producer, timeout_s)
                 self._producer = None
+
+
+def summarized(event: dict[str, Any]) -> dict[str, Any]:
+    """`event` with each bulky field replaced by its size (latency cells: their count)."""
+    return {name: (_size(value) if name in BULKY_FIELDS else value)
+            for name, value in event.items()}
+
+
+def _size(value: Any) -> str:
+    rows = value.get("step_s") if isinstance(value, dict) else value
+    return f"{len(rows)} rows" if isinstance(rows, list) else "..."

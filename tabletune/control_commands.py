@@ -20,6 +20,7 @@ from controller.fleet.loop import log as loop_log
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.runner import ControlRunConfig, ControlRunner
 from controller.fleet.table_log import check_tables_topic, control, publish, read_log, read_topic
+from controller.status import summarized
 from fitter.derive import fit_table
 from fitter.engine_consensus import with_screening
 from fitter.reachability import check_reachable
@@ -153,8 +154,9 @@ def run_show(args: argparse.Namespace) -> int:
     for event in events:
         if event["event"] in ("applied", "started"):
             active[event["engine_id"]] = event.get("version", 0)
+    recent = [summarized(event) for event in events[-20:]]  # latency cells: their count
     print(json.dumps({"key": str(key), "history": history, "active_by_engine": active,
-                      "recent_events": events[-20:]}, indent=2))
+                      "recent_events": recent}, indent=2))
     return 0
 
 

@@ -7,6 +7,10 @@ the load it ran), and its fits read them beside their window
 extrapolated, and needs no re-profile. The knowledge is dropped only on evidence that the
 latency itself moved: after a latency drift, recent steps that take longer or shorter than
 the remembered cells of the same shape, by the drift detector's latency threshold.
+
+The loop publishes each change (a sweep learned, or the knowledge forgotten) as a
+`latency_knowledge` event on the status topic, and a service that starts, or takes the key
+over, begins from the newest: the knowledge outlives the process.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ drift detector's own minimum of steps."""
 
 
 class LatencyKnowledge:
-    def __init__(self) -> None:
-        self.cells = LatencyCells.empty()
+    def __init__(self, cells: LatencyCells | None = None) -> None:
+        """`cells`: what an earlier owner of the key measured (its last snapshot on the
+        status topic), so that a restart or a takeover does not measure it again."""
+        self.cells = cells if cells is not None else LatencyCells.empty()
 
     def learn(self, records: pa.Table | None) -> None:
         """Remember the latency cells of `records` (a sweep's steps)."""

@@ -69,6 +69,8 @@ from controller.fleet.channel import ControlChannel
 from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import Decision, DecisionLog, What
 from controller.fleet.key_fit import Fit, KeyFitter, fittable
+from controller.fleet.knowledge_event import EVENT as KNOWLEDGE_EVENT
+from controller.fleet.knowledge_event import knowledge_fields
 from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
@@ -90,6 +92,7 @@ from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
+from fitter.surface.latency_memory import LatencyCells
 from schemas import DraftTable, TableControl, TableEnvelope
 
 __all__ = ["CHOSEN_AMONG_K", "OPERATOR_ACTIONS", "ClosedLoop", "Fit", "LoopState", "log"]
@@ -132,6 +135,7 @@ class ClosedLoop:
                  fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
                  current: TableEnvelope | None = None, newest_version: int = 0,
                  log: tuple[TableEnvelope | TableControl, ...] = (),
+                 knowledge: LatencyCells | None = None,
                  issued_by: str = ISSUED_BY) -> None:
         """`channel`: where envelopes and controls go (the tables topic, or the twin's
         engines in memory); `startup_table`: what the key's engines run before any version;
@@ -139,6 +143,7 @@ class ClosedLoop:
         restarted control service goes on from there, LIVE, rather than profiling again);
         `log`: the key's envelopes and operator controls on the topic, in order, folded as
         the engines folded them (a pin or an operator's rollback holds after a restart);
+        `knowledge`: the latency cells an earlier owner of the key last published;
         `issued_by`: who its force and release controls say sent them."""
         self.channel = channel
         self.startup_table = startup_table
@@ -158,7 +163,7 @@ class ClosedLoop:
         self.window = RecordWindow(self.config.fit_window_s)
         self.conflicts = ConflictWatch(status)
         """Steps sent in two different records under one engine id, left out of the fits."""
-        self.knowledge = LatencyKnowledge()
+        self.knowledge = LatencyKnowledge(knowledge)
         """The step times the loop's sweeps measured: a load that returns is measured."""
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
                                 self.conflicts, self.config.merge_z, self.knowledge,
@@ -226,7 +231,8 @@ class ClosedLoop:
         if self.state is LoopState.LIVE:  # the fits' window may hold the lookback's steps
             self._next_refit_s = now_s + cfg.refit_interval_s
             self._resume_watch(now_s)
-            self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version)
+            self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version,
+                                 knowledge_cells=len(self.knowledge.cells))
             return
         self.planner.start_profile(now_s, cfg.profile_block_s)
 
@@ -498,6 +504,7 @@ class ClosedLoop:
             self.regimes.forget()  # their tables were priced at the old step times
             self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
                                  steps=moved[1], cells=cells)
+            self._publish_knowledge(now_s)
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:
@@ -542,6 +549,12 @@ class ClosedLoop:
         self.publisher.release(now_s)
         self.state = LoopState.LIVE
 
+    def _publish_knowledge(self, now_s: float) -> None:
+        """The latency knowledge as it now stands, on the status topic: the service that
+        next serves the key (a restart, a takeover) starts from it."""
+        self.status.emit(KNOWLEDGE_EVENT, **knowledge_fields(
+            self.status.settings, self.status.table_key, now_s, self.knowledge.cells))
+
     # ---- fitting --------------------------------------------------------------------------
     def _refit(self, now_s: float, *, reason: str, force: bool,
                k_values: tuple[int, ...] | None = None, steps_since_s: float | None = None,
@@ -583,6 +596,7 @@ class ClosedLoop:
                                **fit_options)
         if reason in SWEEP_REASONS:
             self.knowledge.learn(records)
+            self._publish_knowledge(now_s)
         if envelope is None:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)

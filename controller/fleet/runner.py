@@ -10,7 +10,8 @@ any of them may become its own, and commits nothing; its state lives in the topi
 - the tables topic from the beginning: each key's newest version and current envelope, so a
   restarted service goes on from them (LIVE, no second profile, no reused version);
 - the status topic from the beginning: the engines' `started` announcements (K set, batch
-  limit, startup table), which a cold key's profile needs;
+  limit, startup table), which a cold key's profile needs, and each key's newest latency
+  knowledge (`latency_knowledge`), which a key's next owner starts from;
 - the telemetry topic from `lookback_s` ago (broker time): every engine's steps.
 Before serving, the first two are read until idle. The clock of a key is the newest step
 timestamp seen for it, so engines paced faster than real time (the twin) and a real fleet
@@ -32,6 +33,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from controller.fleet.channel import KafkaChannel
 from controller.fleet.claims import KeyClaims
+from controller.fleet.knowledge_event import EVENT as KNOWLEDGE_EVENT
+from controller.fleet.knowledge_event import read_knowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.ownership import Ownership
 from controller.fleet.ownership_config import SESSION_TIMEOUT_MS, OwnershipConfig
@@ -55,6 +58,10 @@ from schemas.bounds import at_least, check_bounds, in_range
 from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
+
+MAX_STATUS_EVENT_BYTES = 1_048_576
+"""Status events are read no larger than Kafka's default largest message: the largest, a
+key's latency knowledge, stays under 500 KB (`latency_memory.PERSISTED_CELLS`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +274,19 @@ class ControlRunner:
             self.service.control_seen(parsed, now_s)
 
     def _on_status(self, message: object) -> None:
+        value = message.value or b""  # type: ignore[attr-defined]
+        if len(value) > MAX_STATUS_EVENT_BYTES:
+            log.warning("a status event of %d bytes skipped unread (more than %d)",
+                        len(value), MAX_STATUS_EVENT_BYTES)
+            return
         try:
-            event = json.loads(message.value)  # type: ignore[attr-defined]
+            event = json.loads(value)
+        except (ValueError, RecursionError):
+            return  # another producer's
+        if isinstance(event, dict) and event.get("event") == KNOWLEDGE_EVENT:
+            self._on_knowledge(event)
+            return
+        try:
             if not isinstance(event, dict) or event.get("event") != "started" \
                     or "startup_table" not in event:
                 return
@@ -281,6 +299,15 @@ class ControlRunner:
         engine_id = event.get("engine_id")
         self.service.engine_started(key, limits, startup,
                                     engine_id=engine_id if isinstance(engine_id, str) else None)
+
+    def _on_knowledge(self, event: dict[str, object]) -> None:
+        """A key's latency knowledge as a control replica published it."""
+        try:
+            key, clock_s, cells = read_knowledge(event, self.settings.keyring())
+        except ValueError as exc:
+            log.warning("latency knowledge on the status topic skipped: %s", exc)
+            return
+        self.service.knowledge_seen(key, cells, clock_s)
 
     def _on_telemetry(self, message: object) -> None:
         try:

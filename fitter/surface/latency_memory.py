@@ -16,6 +16,7 @@ latency itself moved (the control loop's call: a latency drift at a measured loa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,6 +34,12 @@ MAX_CELLS = 20_000
 """Cells kept at most, the oldest dropped first: a key that ran every batch size to 256 at 8
 K values, a few contexts each, fills a few thousand; this bounds a memory that a long run of
 drifting contexts would otherwise grow without end (20,000 rows of 9 floats: 1.4 MB)."""
+
+PERSISTED_CELLS = 3_000
+"""Cells a snapshot for the status topic carries at most, the most recently measured: about
+100-170 bytes of JSON each keeps the event under 500 KB, inside Kafka's default 1 MB message,
+while a key that ran every batch size to 256 at 8 K values fills a few thousand (a swing of
+16 and 128 EAGLE users on the twin: 281)."""
 
 _DECODE, _K, _K_NEXT, _PREFILL_TOKENS, _PREFILL_REQS, _KV = range(6)
 
@@ -86,6 +93,42 @@ class LatencyCells:
         order = np.argsort(cells.ts_ns, kind="stable")[-max_cells:]
         return cells.select(np.isin(np.arange(len(cells)), order))
 
+    def to_json(self, limit: int = PERSISTED_CELLS) -> dict[str, Any]:
+        """The `limit` most recently measured cells as JSON columns (exact: a float's repr
+        round-trips), for a control service that restarts or takes the key over."""
+        kept = self if len(self) <= limit else self.select(
+            np.argsort(self.ts_ns, kind="stable")[len(self) - max(limit, 0):])
+        return {"columns": list(LATENCY_COLUMNS), "x": kept.X.tolist(),
+                "step_s": kept.y.tolist(), "steps": kept.weight.tolist(),
+                "ts_ns": kept.ts_ns.tolist()}
+
+    @classmethod
+    def from_json(cls, data: object) -> LatencyCells:
+        """Cells from `to_json`'s form; ValueError naming what is wrong (another column
+        layout, ragged or non-finite columns, a non-positive time or count, too many)."""
+        if not isinstance(data, dict):
+            raise ValueError("latency cells: expected an object of columns")
+        if data.get("columns") != list(LATENCY_COLUMNS):
+            raise ValueError(f"latency cells: columns {str(data.get('columns'))[:200]} are "
+                             f"not this version's {list(LATENCY_COLUMNS)}")
+        X, y = _column(data, "x", np.float64), _column(data, "step_s", np.float64)
+        weight, ts_ns = _column(data, "steps", np.float64), _column(data, "ts_ns", np.int64)
+        n = y.size
+        if n > MAX_CELLS:
+            raise ValueError(f"latency cells: {n} cells, more than {MAX_CELLS}")
+        if n == 0 and X.size == 0:
+            X = X.reshape(0, len(LATENCY_COLUMNS))
+        if (y.ndim != 1 or X.shape != (n, len(LATENCY_COLUMNS)) or weight.shape != (n,)
+                or ts_ns.shape != (n,)):
+            raise ValueError(f"latency cells: columns of different lengths (x {X.shape}, "
+                             f"step_s {y.shape}, steps {weight.shape}, ts_ns {ts_ns.shape})")
+        if not (np.isfinite(X).all() and np.isfinite(y).all() and np.isfinite(weight).all()):
+            raise ValueError("latency cells: a value that is not finite")
+        if (X < 0).any() or (y <= 0).any() or (weight <= 0).any() or (ts_ns <= 0).any():
+            raise ValueError("latency cells: a negative shape, or a step time, count or "
+                             "timestamp that is not positive")
+        return cls(X, y, weight, ts_ns)
+
     def batch_sizes(self) -> NDArray[np.float64]:
         """Each cell's batch size: its decode plus prefill requests."""
         return self.X[:, _DECODE] + self.X[:, _PREFILL_REQS]
@@ -96,6 +139,22 @@ class LatencyCells:
             return None
         batch = self.batch_sizes()
         return int(batch.min()), int(batch.max())
+
+
+def _column(data: dict[str, Any], name: str, dtype: type) -> NDArray[Any]:
+    """Column `name` as `dtype`: numbers only (JSON's `true` or "12" are refused), and
+    integers where `dtype` is one."""
+    try:
+        raw = np.asarray(data[name])
+    except KeyError:
+        raise ValueError(f"latency cells: no column {name!r}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"latency cells: column {name!r}: {str(exc)[:80]}") from None
+    kinds = "iu" if np.issubdtype(dtype, np.integer) else "iuf"
+    if raw.size and raw.dtype.kind not in kinds:
+        raise ValueError(f"latency cells: column {name!r} holds {raw.dtype} values, not "
+                         f"{'integers' if kinds == 'iu' else 'numbers'}")
+    return raw.astype(dtype)
 
 
 def cell_keys(X: NDArray[np.float64]) -> NDArray[np.int64]:

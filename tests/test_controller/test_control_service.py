@@ -17,6 +17,7 @@ from controller.engine.table_switch import TableSwitch
 from controller.fleet.table_log import read_topic
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
+from fitter.surface.latency_memory import LatencyCells
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
 from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
@@ -219,3 +220,11 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
     restart = second.log()
     assert "(live)" in restart and "(profiling)" not in restart, restart  # from the topics
     assert '"what": "resume"' in restart
+    # the latency the first measured outlives it: the restart starts from its last snapshot
+    resumed = next(d for d in map(json.loads, second.decisions_path().read_text().splitlines())
+                   if d["what"] == "resume")
+    published = [e for e in status_events(settings) if e["event"] == "latency_knowledge"
+                 and e["clock_s"] <= resumed["t_s"]]
+    assert published and {e["table_key"] for e in published} == {str(NGRAM_KEY)}, published
+    cells = LatencyCells.from_json(published[-1]["cells"])
+    assert len(cells) > 0 and resumed["knowledge_cells"] == len(cells), (resumed, len(cells))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
 
 from fitter.derive import derive_envelope
 from fitter.surface.fit import MEASURED_BATCH_STEPS, fit_surface
@@ -90,3 +93,34 @@ def test_a_batch_size_is_measured_in_the_window_or_the_memory() -> None:
     few = window.slice(0, MEASURED_BATCH_STEPS - 1)  # one step short at its only batch size
     assert not fit_surface(few, max_k=MAX_K, max_batch=MAX_BATCH,
                            half_life_s=None).measured_batch.any()
+
+
+def test_cells_round_trip_through_json_exactly() -> None:
+    """What a control service publishes of a key's latency knowledge is what its successor
+    reads: every float to the bit, through a JSON text."""
+    first = LatencyCells.from_records(_records(5, 1, 8))
+    second = LatencyCells.from_records(_records(6, 100, 140, start_s=3600))
+    cells = first.merged(second)
+    back = LatencyCells.from_json(json.loads(json.dumps(cells.to_json())))
+    for name in ("X", "y", "weight", "ts_ns"):
+        assert np.array_equal(getattr(back, name), getattr(cells, name)), name
+    assert back.batch_range() == cells.batch_range()
+    newest = LatencyCells.from_json(json.loads(json.dumps(cells.to_json(limit=len(second)))))
+    assert set(newest.keys().tolist()) == set(second.keys().tolist())  # the newest kept
+    empty = LatencyCells.from_json(json.loads(json.dumps(LatencyCells.empty().to_json())))
+    assert len(empty) == 0 and empty.X.shape == (0, cells.X.shape[1])
+
+
+@pytest.mark.parametrize(("mend", "named"), [
+    (lambda d: d.update(columns=d["columns"][:-1]), "columns"),
+    (lambda d: d.update(step_s=d["step_s"][:-1]), "different lengths"),
+    (lambda d: d["x"][0].pop(), "x"),
+    (lambda d: d["step_s"].__setitem__(0, float("nan")), "not finite"),
+    (lambda d: d["steps"].__setitem__(0, 0.0), "not positive"),
+    (lambda d: d.pop("ts_ns"), "ts_ns"),
+])
+def test_cells_that_are_not_well_formed_are_refused_by_name(mend, named) -> None:
+    data = LatencyCells.from_records(_records(5, 1, 8)).to_json()
+    mend(data)
+    with pytest.raises(ValueError, match=named):
+        LatencyCells.from_json(data)

@@ -1,4 +1,5 @@
-"""A key's latency knowledge as a `latency_knowledge` event on the status topic, and back.
+"""A key's latency knowledge and regimes as a `latency_knowledge` event on the status
+topic, and back: what the next owner of the key (a restart, a takeover) begins from.
 
 Engines write the status topic too, so with signing keys configured the event is signed
 like a control (the service's Ed25519 key over the key, the clock and the cells) and a
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from controller.fleet.regimes import MAX_REGIMES, Regime
 from fitter.surface.latency_memory import LatencyCells
 from schemas import EnvelopeError, TableKey
 from schemas.settings import Settings
@@ -22,22 +25,35 @@ QUOTED_CHARS = 80
 """What an error quotes of a field at most: the topic is not ours alone."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeyMemory:
+    """What a key's owner measured, as it last published it."""
+
+    key: TableKey
+    clock_s: float
+    """The key's telemetry time when published: the newest wins."""
+    cells: LatencyCells
+    regimes: tuple[Regime, ...]
+    """Least recently used first, without their records (`Regime.from_json`)."""
+
+
 def knowledge_fields(settings: Settings | None, table_key: str, clock_s: float,
-                     cells: LatencyCells) -> dict[str, Any]:
-    """The event's fields (signed when `settings` holds a signing key)."""
-    fields: dict[str, Any] = {"clock_s": round(clock_s, 3), "cells": cells.to_json()}
+                     cells: LatencyCells, regimes: list[Regime]) -> dict[str, Any]:
+    """The event's fields (signed when `settings` holds a signing key). A regime whose
+    refit published no version is left out: nothing could be sent again for it."""
+    fields: dict[str, Any] = {"clock_s": round(clock_s, 3), "cells": cells.to_json(),
+                              "regimes": [r.to_json() for r in regimes
+                                          if r.version is not None]}
     if settings is not None and settings.signing_key is not None:
         fields["key_id"] = settings.signing_key_id
-        fields["signature"] = sign_hex(settings.signing_key,
-                                       _signed_bytes(table_key, fields["clock_s"],
-                                                     fields["cells"]))
+        fields["signature"] = sign_hex(settings.signing_key, _signed_bytes(
+            table_key, fields["clock_s"], fields["cells"], fields["regimes"]))
     return fields
 
 
-def read_knowledge(event: dict[str, Any],
-                   keyring: Keyring) -> tuple[TableKey, float, LatencyCells]:
-    """(key, telemetry time, cells) of a `latency_knowledge` event; ValueError naming what
-    is wrong, an unsigned or badly signed event included where `keyring` holds keys."""
+def read_knowledge(event: dict[str, Any], keyring: Keyring) -> KeyMemory:
+    """The key's memory in a `latency_knowledge` event; ValueError naming what is wrong,
+    an unsigned or badly signed event included where `keyring` holds keys."""
     try:
         text = event["table_key"]
         key = TableKey.parse(str(text))
@@ -52,13 +68,18 @@ def read_knowledge(event: dict[str, Any],
         key_id, signature = event.get("key_id"), event.get("signature")
         public = keyring.get(key_id) if isinstance(key_id, str) else None
         if public is None or not isinstance(signature, str) or not signature_matches(
-                public, _signed_bytes(str(text), event["clock_s"], event.get("cells")),
+                public, _signed_bytes(str(text), event["clock_s"], event.get("cells"),
+                                      event.get("regimes", [])),
                 signature):
             raise ValueError(f"not signed by a known key (key_id {str(key_id)[:QUOTED_CHARS]!r})")
-    return key, clock_s, LatencyCells.from_json(event.get("cells"))
+    regimes = event.get("regimes", [])
+    if not isinstance(regimes, list) or len(regimes) > MAX_REGIMES:
+        raise ValueError(f"regimes: not a list of at most {MAX_REGIMES}")
+    return KeyMemory(key, clock_s, LatencyCells.from_json(event.get("cells")),
+                     tuple(Regime.from_json(r) for r in regimes))
 
 
-def _signed_bytes(table_key: str, clock_s: Any, cells: Any) -> bytes:
+def _signed_bytes(table_key: str, clock_s: Any, cells: Any, regimes: Any) -> bytes:
     """What the signature covers: one canonical JSON text (floats round-trip exactly)."""
-    return json.dumps([EVENT, table_key, clock_s, cells], sort_keys=True,
+    return json.dumps([EVENT, table_key, clock_s, cells, regimes], sort_keys=True,
                       separators=(",", ":")).encode()

@@ -8,9 +8,10 @@ extrapolated, and needs no re-profile. The knowledge is dropped only on evidence
 latency itself moved: after a latency drift, recent steps that take longer or shorter than
 the remembered cells of the same shape, by the drift detector's latency threshold.
 
-The loop publishes each change (a sweep learned, or the knowledge forgotten) as a
-`latency_knowledge` event on the status topic, and a service that starts, or takes the key
-over, begins from the newest: the knowledge outlives the process.
+The loop publishes it after each sweep and when it is forgotten, with the regimes, as a
+`latency_knowledge` event on the status topic (`controller.fleet.knowledge_event`), and a
+service that starts, or takes the key over, begins from the newest: it outlives the
+process.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ largest and the smallest K); acceptance that fell hides nothing (no block: decis
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -65,12 +66,12 @@ from numpy.typing import NDArray
 
 from controller.drift import DriftDetector, DriftReport
 from controller.engine.agent import Mode, TableAgent
-from controller.fleet.channel import ControlChannel
+from controller.fleet.channel import ControlChannel, clock_time
 from controller.fleet.conflict_watch import ConflictWatch
 from controller.fleet.decisions import Decision, DecisionLog, What
 from controller.fleet.key_fit import Fit, KeyFitter, fittable
 from controller.fleet.knowledge_event import EVENT as KNOWLEDGE_EVENT
-from controller.fleet.knowledge_event import knowledge_fields
+from controller.fleet.knowledge_event import KeyMemory, knowledge_fields
 from controller.fleet.latency_knowledge import LatencyKnowledge
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
@@ -92,7 +93,6 @@ from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
-from fitter.surface.latency_memory import LatencyCells
 from schemas import DraftTable, TableControl, TableEnvelope
 
 __all__ = ["CHOSEN_AMONG_K", "OPERATOR_ACTIONS", "ClosedLoop", "Fit", "LoopState", "log"]
@@ -135,7 +135,7 @@ class ClosedLoop:
                  fit: Fit, config: LoopConfig | None = None, *, startup_table: DraftTable,
                  current: TableEnvelope | None = None, newest_version: int = 0,
                  log: tuple[TableEnvelope | TableControl, ...] = (),
-                 knowledge: LatencyCells | None = None,
+                 memory: KeyMemory | None = None,
                  issued_by: str = ISSUED_BY) -> None:
         """`channel`: where envelopes and controls go (the tables topic, or the twin's
         engines in memory); `startup_table`: what the key's engines run before any version;
@@ -143,7 +143,8 @@ class ClosedLoop:
         restarted control service goes on from there, LIVE, rather than profiling again);
         `log`: the key's envelopes and operator controls on the topic, in order, folded as
         the engines folded them (a pin or an operator's rollback holds after a restart);
-        `knowledge`: the latency cells an earlier owner of the key last published;
+        `memory`: the latency knowledge and regimes an earlier owner of the key last
+        published (a regime whose table is not in `log`, or was withdrawn, is left out);
         `issued_by`: who its force and release controls say sent them."""
         self.channel = channel
         self.startup_table = startup_table
@@ -163,7 +164,7 @@ class ClosedLoop:
         self.window = RecordWindow(self.config.fit_window_s)
         self.conflicts = ConflictWatch(status)
         """Steps sent in two different records under one engine id, left out of the fits."""
-        self.knowledge = LatencyKnowledge(knowledge)
+        self.knowledge = LatencyKnowledge(None if memory is None else memory.cells)
         """The step times the loop's sweeps measured: a load that returns is measured."""
         self.fitter = KeyFitter(fit, limits, self.config.fewest_ranges, self._decisions,
                                 self.conflicts, self.config.merge_z, self.knowledge,
@@ -197,6 +198,10 @@ class ClosedLoop:
         if current is not None or newest_version > 0 or folded:  # LIVE, with a refit due
             self.publisher.resume(current, newest_version, log)
             self.state = LoopState.LIVE
+        if memory is not None:
+            state = self.agent.state
+            self.regimes.restore([r for r in memory.regimes if r.records is not None or (
+                r.version in state.accepted and r.version not in state.withdrawn)])
 
     @property
     def fit(self) -> Fit:
@@ -232,7 +237,8 @@ class ClosedLoop:
             self._next_refit_s = now_s + cfg.refit_interval_s
             self._resume_watch(now_s)
             self._decisions.note(now_s, What.RESUME, version=self.publisher.active_version,
-                                 knowledge_cells=len(self.knowledge.cells))
+                                 knowledge_cells=len(self.knowledge.cells),
+                                 regimes=len(self.regimes))
             return
         self.planner.start_profile(now_s, cfg.profile_block_s)
 
@@ -484,13 +490,35 @@ class ClosedLoop:
                              acceptance_off=round(math.expm1(distance[0]), 4),
                              recalled_batch_size=round(regime.signature.batch, 1),
                              learned_s=round(regime.learned_s, 3))
-        self.window.anchor = regime.records
-        self._refit(now_s, reason="recall", force=True, k_values=regime.k_values,
-                    steps_since_s=regime.steps_since_s, recalled=regime)
+        if regime.records is None:  # an earlier owner's: its table, sent again
+            self._send_again(regime, now_s)
+        else:
+            self.window.anchor = regime.records
+            self._refit(now_s, reason="recall", force=True, k_values=regime.k_values,
+                        steps_since_s=regime.steps_since_s, recalled=regime)
         self._recalled_version = self.agent.state.desired_version
         self._recalled_s = now_s
         self._table_regime, self._left_regime = regime, False
         return True
+
+    def _send_again(self, regime: Regime, now_s: float) -> None:
+        """A regime restored from an earlier owner has no sweep to refit on: the table its
+        refit published goes out again under a new version, unwatched as a recall's is."""
+        sent = self.agent.state.accepted[regime.version]  # type: ignore[index]
+        version = self.agent.state.newest_version + 1
+        envelope = dataclasses.replace(
+            sent, version=version, signature=None, epoch=0,  # the channel stamps its own
+            created_at=clock_time(now_s).isoformat(),
+            provenance={**sent.provenance, "reason": "recall", "recalls": sent.version})
+        measured = measured_load(sent)
+        self.publisher.fitted_range = None if measured is None else (1, math.ceil(measured))
+        self.publisher.fitted_steps = None
+        self._decisions.note(now_s, What.REFIT, reason="recall", version=version,
+                             sent_again=sent.version)
+        self.publish(envelope, now_s, guard=False)
+        if self.config.follow_up_s > 0:
+            self._follow_up_s = now_s + self.config.follow_up_s
+        self._next_refit_s = now_s + self.config.refit_interval_s
 
     def _forget_if_moved(self, now_s: float) -> None:
         """After a latency drift: if the drift window's steps ran off the remembered cells
@@ -504,7 +532,7 @@ class ClosedLoop:
             self.regimes.forget()  # their tables were priced at the old step times
             self._decisions.note(now_s, What.LATENCY_FORGOTTEN, shift=round(moved[0], 4),
                                  steps=moved[1], cells=cells)
-            self._publish_knowledge(now_s)
+            self._publish_memory(now_s)
 
     def _start_reprofile(self, now_s: float, *, restarted: bool = False,
                          hidden: Hidden = Hidden.COST) -> None:
@@ -532,16 +560,20 @@ class ClosedLoop:
             self.drift.after_sweep(now_s)
             reason = "profile" if first else "stale"
             steps_since_s = sweep.confirm_started_s if sweep.confirmed else None
+            newest = self.agent.state.newest_version
             self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s)
+            published = (self.agent.state.desired_version
+                         if self.agent.state.newest_version > newest else None)
             records = self.window.anchor
             signature = Signature.of(records)  # every K's blocks: a later table runs any K
             self._table_regime, self._left_regime = None, False
             if records is not None and signature is not None:
                 self._table_regime = self.regimes.remember(
                     Regime(signature, records, sweep.confirmed or None, steps_since_s, now_s,
-                           reason),
+                           reason, version=published),
                     self.config.drift.acceptance_threshold)
+            self._publish_memory(now_s)
 
     def _leave_sweep(self, now_s: float) -> None:
         """The sweep is over (done or abandoned): its force released, the loop LIVE."""
@@ -549,11 +581,12 @@ class ClosedLoop:
         self.publisher.release(now_s)
         self.state = LoopState.LIVE
 
-    def _publish_knowledge(self, now_s: float) -> None:
-        """The latency knowledge as it now stands, on the status topic: the service that
-        next serves the key (a restart, a takeover) starts from it."""
+    def _publish_memory(self, now_s: float) -> None:
+        """The latency knowledge and the regimes as they now stand, on the status topic:
+        the service that next serves the key (a restart, a takeover) starts from them."""
         self.status.emit(KNOWLEDGE_EVENT, **knowledge_fields(
-            self.status.settings, self.status.table_key, now_s, self.knowledge.cells))
+            self.status.settings, self.status.table_key, now_s, self.knowledge.cells,
+            self.regimes.kept()))
 
     # ---- fitting --------------------------------------------------------------------------
     def _refit(self, now_s: float, *, reason: str, force: bool,
@@ -596,7 +629,6 @@ class ClosedLoop:
                                **fit_options)
         if reason in SWEEP_REASONS:
             self.knowledge.learn(records)
-            self._publish_knowledge(now_s)
         if envelope is None:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)

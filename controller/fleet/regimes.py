@@ -7,6 +7,8 @@ shown it already. Each finished sweep is kept with its signature: the first draf
 position's acceptance (which every drafting step measures, whatever its K) and the median
 batch size. When the table goes stale and the last seconds' signature matches a kept
 regime, the loop refits on that regime's sweep and publishes at once, with no forced step.
+A regime an earlier owner of the key published (a restart, a takeover) comes without its
+sweep: its recall sends the table that sweep's refit published again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -101,8 +104,9 @@ class Signature:
 @dataclass(frozen=True, slots=True)
 class Regime:
     signature: Signature
-    records: pa.Table
-    """The sweep's records, as its refit read them."""
+    records: pa.Table | None
+    """The sweep's records, as its refit read them (None: a regime an earlier owner of the
+    key measured, restored from the status topic; its recall sends `version` again)."""
     k_values: tuple[int, ...] | None
     """The K its confirmation ran (the refit chose among them); None: every startup K."""
     steps_since_s: float | None
@@ -111,6 +115,49 @@ class Regime:
     """Telemetry time of its refit: the fit weighs its records as of then."""
     reason: str
     """Its refit's reason ("profile", "stale"): the recency weights it fitted with."""
+    version: int | None = None
+    """The table version its refit published (None: it published none)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """What a later owner of the key recalls it by: the signature and the version."""
+        signature = self.signature
+        return {"acceptance": {str(k): v for k, v in signature.acceptance.items()},
+                "drafts": {str(k): v for k, v in signature.drafts.items()},
+                "batch": signature.batch, "version": self.version,
+                "k_values": None if self.k_values is None else list(self.k_values),
+                "learned_s": self.learned_s, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: object) -> Regime:
+        """A regime from `to_json`'s form, without its records; ValueError naming what is
+        wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("regime: expected an object")
+        try:
+            acceptance = _shares(data["acceptance"], "acceptance")
+            drafts = _shares(data["drafts"], "drafts")
+            batch, learned_s = float(data["batch"]), float(data["learned_s"])
+            version = data["version"]
+            k_values = data["k_values"]
+            reason = data["reason"]
+        except KeyError as exc:
+            raise ValueError(f"regime: no {exc}") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"regime: {str(exc)[:80]}") from None
+        if set(acceptance) != set(drafts) or not acceptance:
+            raise ValueError("regime: acceptance and drafts name different K values")
+        if not (math.isfinite(batch) and batch > 0 and math.isfinite(learned_s)):
+            raise ValueError("regime: batch or learned_s is not a finite positive number")
+        if not (isinstance(version, int) and not isinstance(version, bool) and version > 0):
+            raise ValueError(f"regime: version {str(version)[:40]} is not a positive integer")
+        if k_values is not None and not (isinstance(k_values, list) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in k_values)):
+            raise ValueError("regime: k_values is not a list of K values")
+        if not isinstance(reason, str):
+            raise ValueError("regime: reason is not a string")
+        return cls(Signature(acceptance, drafts, batch), None,
+                   None if k_values is None else tuple(k_values), None, learned_s,
+                   reason[:40], version)
 
 
 class RegimeMemory:
@@ -152,6 +199,24 @@ class RegimeMemory:
 
     def forget(self) -> None:
         self._regimes.clear()
+
+    def kept(self) -> list[Regime]:
+        """The regimes, least recently used first."""
+        return list(self._regimes)
+
+    def restore(self, regimes: list[Regime]) -> None:
+        """Begin from what an earlier owner of the key kept (least recently used first)."""
+        self._regimes = list(regimes[-MAX_REGIMES:])
+
+
+def _shares(value: object, name: str) -> dict[int, float]:
+    """A signature's per-K numbers from JSON (K as text keys), each finite and positive."""
+    if not isinstance(value, dict) or len(value) > 64:
+        raise ValueError(f"{name} is not an object of at most 64 K values")
+    shares = {int(k): float(v) for k, v in value.items()}
+    if not all(k >= 0 and math.isfinite(v) and v > 0 for k, v in shares.items()):
+        raise ValueError(f"{name} holds a negative K or a value that is not finite and positive")
+    return shares
 
 
 def _matches(a: Signature, b: Signature, acceptance_threshold: float) -> bool:

@@ -11,7 +11,7 @@ any of them may become its own, and commits nothing; its state lives in the topi
   restarted service goes on from them (LIVE, no second profile, no reused version);
 - the status topic from the beginning: the engines' `started` announcements (K set, batch
   limit, startup table), which a cold key's profile needs, and each key's newest latency
-  knowledge (`latency_knowledge`), which a key's next owner starts from;
+  knowledge and regimes (`latency_knowledge`), which a key's next owner starts from;
 - the telemetry topic from `lookback_s` ago (broker time): every engine's steps.
 Before serving, the first two are read until idle. The clock of a key is the newest step
 timestamp seen for it, so engines paced faster than real time (the twin) and a real fleet
@@ -303,11 +303,11 @@ class ControlRunner:
     def _on_knowledge(self, event: dict[str, object]) -> None:
         """A key's latency knowledge as a control replica published it."""
         try:
-            key, clock_s, cells = read_knowledge(event, self.settings.keyring())
+            memory = read_knowledge(event, self.settings.keyring())
         except ValueError as exc:
             log.warning("latency knowledge on the status topic skipped: %s", exc)
             return
-        self.service.knowledge_seen(key, cells, clock_s)
+        self.service.knowledge_seen(memory)
 
     def _on_telemetry(self, message: object) -> None:
         try:

@@ -24,12 +24,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from controller.fleet.channel import ControlChannel
+from controller.fleet.knowledge_event import KeyMemory
 from controller.fleet.loop import OPERATOR_ACTIONS, ClosedLoop, Fit
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import ISSUED_BY
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
-from fitter.surface.latency_memory import LatencyCells
 from schemas import DraftTable, EnvelopeError, TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings
 
@@ -113,9 +113,9 @@ class ControlService:
         self.engine_keys: dict[str, TableKey] = {}
         """Engine id -> the key it announced it follows: its telemetry is that key's, even
         where `TABLETUNE_TABLE_KEY` differs from its model|drafter|hardware."""
-        self._knowledge: dict[TableKey, tuple[float, LatencyCells]] = {}
-        """Each key's newest latency knowledge on the status topic, with the telemetry time
-        it was published at: what a loop that starts for the key measured before."""
+        self._memories: dict[TableKey, KeyMemory] = {}
+        """Each key's newest latency knowledge and regimes on the status topic: what a loop
+        that starts for the key measured before."""
         self._logs: dict[TableKey, list[TableEnvelope | TableControl]] = {}
         """Each key's envelopes, operator controls and claims, in topic order: what its loop
         folds when it starts (a pin or an operator's rollback outlives a restart, and what
@@ -170,15 +170,16 @@ class ControlService:
         if served is not None and now_s is not None:
             served.loop.observe_control(control, now_s)
 
-    def knowledge_seen(self, key: TableKey, cells: LatencyCells, clock_s: float) -> None:
-        """A key's latency knowledge as its owner published it (this replica's own, read
-        back, or another's): the newest by telemetry time is what a loop starting for the
-        key begins from. A loop already serving the key keeps its own."""
-        if not self._follows(key):
+    def knowledge_seen(self, memory: KeyMemory) -> None:
+        """A key's latency knowledge and regimes as its owner published them (this
+        replica's own, read back, or another's): the newest by telemetry time is what a
+        loop starting for the key begins from. A loop already serving the key keeps its
+        own."""
+        if not self._follows(memory.key):
             return
-        known = self._knowledge.get(key)
-        if known is None or clock_s >= known[0]:
-            self._knowledge[key] = (clock_s, cells)
+        known = self._memories.get(memory.key)
+        if known is None or memory.clock_s >= known.clock_s:
+            self._memories[memory.key] = memory
 
     def history(self, records: pa.Table) -> None:
         """Telemetry from before the service started (a restart's lookback): for the fits
@@ -279,7 +280,10 @@ class ControlService:
         if served is None:
             return None
         rows = served.loop.window.window(served.loop.clock_s)
-        self.knowledge_seen(key, served.loop.knowledge.cells, served.loop.clock_s)
+        loop = served.loop
+        self.knowledge_seen(KeyMemory(key, loop.clock_s, loop.knowledge.cells,
+                                      tuple(r for r in loop.regimes.kept()
+                                            if r.version is not None)))
         self._history.pop(key, None)
         if rows is not None and rows.num_rows:
             self._remember(key, rows)
@@ -302,7 +306,7 @@ class ControlService:
                           startup_table=known.startup_table, current=known.current,
                           newest_version=known.newest_version,
                           log=tuple(self._logs.get(key, ())),
-                          knowledge=self._knowledge.get(key, (0.0, None))[1],
+                          memory=self._memories.get(key),
                           issued_by=self.issued_by)
         # the newest live step: the lookback's older steps came in through `history`
         start_s = float(pc.max(records.column("ts_ns")).as_py()) / 1e9

@@ -228,3 +228,4 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
     assert published and {e["table_key"] for e in published} == {str(NGRAM_KEY)}, published
     cells = LatencyCells.from_json(published[-1]["cells"])
     assert len(cells) > 0 and resumed["knowledge_cells"] == len(cells), (resumed, len(cells))
+    assert resumed["regimes"] == len(published[-1]["regimes"]) >= 1, resumed  # the profile's

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from controller.fleet.knowledge_event import knowledge_fields, read_knowledge
+from controller.fleet.regimes import Regime, Signature
 from fitter.surface.latency_memory import LatencyCells
 from fitter.surface.synthetic import make_step_records
 from schemas import TableKey
@@ -17,10 +18,16 @@ from schemas.signing import generate_private_key
 KEY = TableKey("llama-3.1-8b-instruct", "eagle", "twin-h100")
 
 
+REGIMES = [Regime(Signature({2: 0.31, 5: 0.42}, {2: 900.0, 5: 1200.0}, 32.0), None, (4, 5, 6),
+                  None, 120.0, "stale", version=3),
+           Regime(Signature({7: 0.81}, {7: 3000.0}, 30.5), None, None, None, 300.0, "profile",
+                  version=None)]  # published no table: nothing to send again, left out
+
+
 def _event(settings: Settings | None) -> dict:
     cells = LatencyCells.from_records(make_step_records(4000, seed=2, max_batch=64,
                                                         context_tokens=512.0))
-    fields = knowledge_fields(settings, str(KEY), 1234.5678, cells)
+    fields = knowledge_fields(settings, str(KEY), 1234.5678, cells, REGIMES)
     return json.loads(json.dumps({"event": "latency_knowledge", "table_key": str(KEY),
                                   **fields}))
 
@@ -33,16 +40,22 @@ def _signing() -> Settings:
 def test_a_signed_event_is_read_back_exactly_and_a_forged_one_refused() -> None:
     settings = _signing()
     event = _event(settings)
-    key, clock_s, cells = read_knowledge(event, settings.keyring())
-    assert key == KEY and str(key) == event["table_key"] and clock_s == 1234.568
-    assert len(cells) > 0 and cells.to_json() == event["cells"]
-    forged = json.loads(json.dumps(event))
-    forged["cells"]["step_s"][0] *= 3  # a compromised engine's slower step
-    with pytest.raises(ValueError, match="not signed by a known key"):
-        read_knowledge(forged, settings.keyring())
+    memory = read_knowledge(event, settings.keyring())
+    assert memory.key == KEY and str(memory.key) == event["table_key"]
+    assert memory.clock_s == 1234.568
+    assert len(memory.cells) > 0 and memory.cells.to_json() == event["cells"]
+    [regime] = memory.regimes
+    assert regime.signature == REGIMES[0].signature and regime.version == 3
+    assert regime.k_values == (4, 5, 6) and regime.records is None
+    for tamper in (lambda e: e["cells"]["step_s"].__setitem__(0, 3 * e["cells"]["step_s"][0]),
+                   lambda e: e["regimes"][0].__setitem__("version", 1)):
+        forged = json.loads(json.dumps(event))
+        tamper(forged)  # a compromised engine's slower step, or an older table recalled
+        with pytest.raises(ValueError, match="not signed by a known key"):
+            read_knowledge(forged, settings.keyring())
     with pytest.raises(ValueError, match="not signed by a known key"):
         read_knowledge(_event(None), settings.keyring())  # unsigned, where keys are set
-    assert len(read_knowledge(_event(None), {})[2]) > 0  # no keys: taken, as controls are
+    assert len(read_knowledge(_event(None), {}).cells) > 0  # no keys: taken, as controls are
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [
@@ -50,6 +63,11 @@ def test_a_signed_event_is_read_back_exactly_and_a_forged_one_refused() -> None:
     ("clock_s", "nan", "not finite"),
     ("table_key", "no-bars", "table key"),
     ("cells", {"columns": ["x"] * 10_000}, "columns"),
+    ("regimes", [{"acceptance": {"2": 0.3}, "drafts": {"2": 9.0}, "batch": 8.0,
+                  "version": True, "k_values": None, "learned_s": 1.0, "reason": "stale"}],
+     "version"),
+    ("regimes", [{"acceptance": {"x": 0.3}}], "regime"),
+    ("regimes", [{}] * 9, "at most 8"),
 ])
 def test_a_hostile_event_is_refused_by_name(field, value, named) -> None:
     event = _event(None)

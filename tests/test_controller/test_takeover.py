@@ -8,17 +8,25 @@ sends nothing more."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from controller.drift import DriftConfig
 from controller.fleet.decisions import Decision
+from controller.fleet.knowledge_event import EVENT, knowledge_fields, read_knowledge
 from controller.fleet.loop import ClosedLoop
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.service import ControlService
 from fitter.derive import fit_table
 from fitter.engine_consensus import with_screening
-from tests.test_controller.test_closed_loop import EAGLE, NGRAM_POOR_CHAT, ngram_chat_to_code
+from tests.test_controller.test_closed_loop import (
+    EAGLE,
+    NGRAM_CODE,
+    NGRAM_POOR_CHAT,
+    ngram_chat_to_code,
+)
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
+from twin.config import DrafterConfig
 from twin.tabletune_policy import TabletunePolicy
 
 if TYPE_CHECKING:
@@ -29,9 +37,14 @@ class TakenOverAt(TabletunePolicy):
     """`tabletune`, whose key a second replica takes over at `at_s` of virtual time."""
 
     def __init__(self, at_s: float, config: LoopConfig,
-                 successor_config: LoopConfig | None = None) -> None:
+                 successor_config: LoopConfig | None = None, *, memory: bool = False) -> None:
+        """`memory`: the successor reads what the first published of the key's latency
+        knowledge and regimes (its last `latency_knowledge` event, through JSON), and
+        every envelope of the key, as `tabletune control` reads the status and tables
+        topics."""
         super().__init__(config)
         self.at_s = at_s
+        self.memory = memory
         self.successor_config = successor_config or config
         self.first: ClosedLoop | None = None
         """The first replica's loop (None before the takeover)."""
@@ -51,6 +64,14 @@ class TakenOverAt(TabletunePolicy):
         successor.engine_started(self.key, old.limits, old.startup_table)
         current = old.agent.desired()
         assert current is not None  # the tables topic's newest table
+        if self.memory:
+            for _, envelope in sorted(old.agent.state.accepted.items()):
+                successor.table_seen(envelope)
+            fields = knowledge_fields(None, str(self.key), old.clock_s, old.knowledge.cells,
+                                      old.regimes.kept())
+            event = json.loads(json.dumps({"event": EVENT, "table_key": str(self.key),
+                                           **fields}))
+            successor.knowledge_seen(read_knowledge(event, {}))
         successor.table_seen(current)
         lookback = old.window.window(old.clock_s)
         assert lookback is not None
@@ -142,3 +163,45 @@ def test_a_key_taken_over_in_steady_traffic_goes_on_with_its_table() -> None:
     assert successor.decisions[0].what == "resume"
     assert not [d for d in successor.decisions if d.what in ("stale", "reprofile")], \
         successor.decisions
+
+
+def chat_code_chat_code() -> Scenario:
+    """n-gram at 32 users, 150 s each of chat, code, chat, code: the first code phase takes
+    a re-profile, each return is recalled (`test_regimes`)."""
+    def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=150, concurrency=32, acceptance=acceptance,
+                           prompt_len=prompt, output_len=output)
+
+    chat, code = phase("chat", NGRAM_POOR_CHAT, 355, 728), phase("code", NGRAM_CODE, 171, 262)
+    return Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                    drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5),
+                    phases=(chat, code, chat, code))
+
+
+def test_a_traffic_measured_before_a_takeover_is_recalled_by_the_successor() -> None:
+    """The key taken over in the second chat phase. The successor begins from the regimes
+    and latency the first published: code's return is recalled, the table its sweep's
+    refit published sent again under a new version, with no force and no re-profile. A
+    successor without them probes code again."""
+    remembered = TakenOverAt(400.0, LoopConfig(), memory=True)
+    run_scenario(chat_code_chat_code(), remembered)
+    remembered.close()
+    first, successor = remembered.first, remembered.loop
+    assert first is not None and successor is not None and successor is not first
+    resumed = successor.decisions[0]
+    assert resumed.what == "resume" and resumed.fields["regimes"] == len(first.regimes) >= 2
+    assert resumed.fields["knowledge_cells"] == len(first.knowledge.cells) > 0
+    code_version = next(d.fields["version"] for d in first.decisions
+                        if d.what == "refit" and d.fields["reason"] == "stale")
+    recall = next(d for d in successor.decisions if d.what == "recall" and d.t_s > 450)
+    sent = next(d for d in successor.decisions if d.what == "refit" and d.t_s == recall.t_s)
+    assert sent.fields["sent_again"] == code_version, successor.decisions
+    assert not [d for d in successor.decisions if d.what == "reprofile"], successor.decisions
+    code_table = first.agent.state.accepted[code_version].table
+    assert successor.agent.desired().table == code_table  # type: ignore[union-attr]
+
+    forgetful = TakenOverAt(400.0, LoopConfig())
+    run_scenario(chat_code_chat_code(), forgetful)
+    forgetful.close()
+    assert forgetful.loop is not None
+    assert [d for d in forgetful.loop.decisions if d.what == "reprofile" and d.t_s > 450]

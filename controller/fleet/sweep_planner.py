@@ -119,6 +119,10 @@ class SweepPlanner:
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
+        if hidden is Hidden.NOTHING:  # no sweep: the loop's next refit is gated as any
+            self.sweep = None
+            self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
+            return False
         targets = self._canaries(now_s)
         if not targets and cfg.probe_block_s > 0:
             return self._start_probe(now_s, restarted=restarted, hidden=hidden)
@@ -146,10 +150,6 @@ class SweepPlanner:
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
         firing is refitted without), then the table until the refit has its steps."""
         cfg = self.config
-        if hidden is Hidden.NOTHING:  # no sweep: the loop's next refit is gated as any
-            self.sweep = None
-            self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
-            return False
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
         blocks: list[int | None] = [None]

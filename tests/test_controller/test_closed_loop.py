@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from controller.drift import DriftConfig
 from controller.fleet.forced_budget import FORCED_WINDOW_S
@@ -368,11 +369,11 @@ def slow_eagle_then_low() -> Scenario:
 
 def test_a_slow_engines_reprofile_runs_longer_blocks_and_replaces_the_stale_table() -> None:
     """A fleet's canary re-profile, here on one engine. About three steps a second, then
-    acceptance falls from EAGLE's to 0.2 a position (the best K from 3 to 1): the
+    acceptance rises from 0.2 a position to EAGLE's (the best K from 1 to 3): the
     re-profile's 1 s blocks would hold three steps each, too
     few for the pick's fit, and it ended with no table, again at every `stale`. Its blocks
     and runs are sized by the steps the engine ran, and its table beats the stale one."""
-    scenario = slow_eagle_then_low()
+    scenario = slow_engine(LOW, EAGLE)
     policy, tt, fixed = tabletune_and_stale(scenario, drift_s=240.0, config=CANARY_SWEEP)
     decisions = policy.loop.decisions
     reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s > 240)
@@ -441,14 +442,16 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
     assert rate(tt, refit.t_s, 600.0) > 1.05 * rate(held, refit.t_s, 600.0), decisions
 
 
-def test_a_one_engine_key_whose_acceptance_fell_refits_without_forcing() -> None:
+@pytest.mark.parametrize("config", [LoopConfig(), CANARY_SWEEP], ids=["probe", "canaries"])
+def test_a_key_whose_acceptance_fell_refits_without_forcing(config: LoopConfig) -> None:
     """Acceptance falls (the best K from 3 to 1): the table's K measures every position a
-    smaller K drafts, so nothing is forced. The loop stays LIVE, and its next refit, after
+    smaller K drafts, so nothing is forced, neither a one-engine key's probe nor a fleet's
+    canaries. The loop stays LIVE, and its next refit, after
     the settling stretch, reads the steps since the drift and publishes on a gain clear of
     its error (as a periodic one does: a few requests' acceptance is no evidence); the new
     table beats the stale one held."""
     scenario = slow_eagle_then_low()
-    policy, sink = TabletunePolicy(), MemorySink()
+    policy, sink = TabletunePolicy(config), MemorySink()
     tt = run_scenario(scenario, policy, sink=sink)
     policy.close()
     assert policy.loop is not None

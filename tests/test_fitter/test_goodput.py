@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,16 @@ def test_unfitted_models_are_refused() -> None:
 def test_evaluate_rejects_batch_sizes_outside_the_fit(all_k_fit: SurfaceFit) -> None:
     with pytest.raises(ValueError, match="batch sizes must be in"):
         all_k_fit.evaluate([MAX_BATCH + 1], [1])
+
+
+def test_a_covariance_a_rounding_error_short_of_psd_gives_finite_errors(
+        all_k_fit: SurfaceFit) -> None:
+    """The latency coefficients' covariance comes from a pseudo-inverse, whose quadratic
+    forms can fall a rounding error below zero: the goodput's standard error must stay
+    finite there (a NaN made the envelope unpublishable, and the refit failed)."""
+    fit = copy.deepcopy(all_k_fit)  # the fixture is the session's
+    n = fit.latency.coef_covariance_.shape[0]
+    fit.latency.coef_covariance_ = -1e-30 * np.eye(n)
+    surface = fit.evaluate(np.array([1, 64]), np.arange(MAX_K + 1))
+    assert np.isfinite(surface.latency_std_s).all()
+    assert np.isfinite(surface.goodput_std_tok_s).all()

@@ -516,8 +516,7 @@ class ClosedLoop:
         self._decisions.note(now_s, What.REFIT, reason="recall", version=version,
                              sent_again=sent.version)
         self.publish(envelope, now_s, guard=False)
-        if self.config.follow_up_s > 0:
-            self._follow_up_s = now_s + self.config.follow_up_s
+        self._follow_up(now_s, "recall")
         self._next_refit_s = now_s + self.config.refit_interval_s
 
     def _forget_if_moved(self, now_s: float) -> None:
@@ -662,9 +661,13 @@ class ClosedLoop:
             # table fitted live at 750 s, and code's return at 958 s found its regime
             # still barred as the one the table was fitted on (a 6 s probe instead)
             self._table_regime, self._left_regime = None, False
-        if reason in FOLLOWED_UP_REASONS and cfg.follow_up_s > 0:
-            self._follow_up_s = now_s + cfg.follow_up_s
+        self._follow_up(now_s, reason)
         return True
+
+    def _follow_up(self, now_s: float, reason: str) -> None:
+        """A table published for `reason` gets one refit on the live steps at it later."""
+        if reason in FOLLOWED_UP_REASONS and self.config.follow_up_s > 0:
+            self._follow_up_s = now_s + self.config.follow_up_s
 
 
 def _latest_batch_sizes(records: pa.Table, span_s: float) -> NDArray[np.int64]:

@@ -15,7 +15,8 @@ from schemas import TableKey
 from schemas.settings import Settings
 from schemas.signing import generate_private_key
 
-KEY = TableKey("llama-3.1-8b-instruct", "eagle", "twin-h100")
+KEY = TableKey("meta-llama/Llama-3.1-8B-Instruct", "eagle", "NVIDIA H100 80GB HBM3")
+"""A model id with a slash and a GPU name with spaces: the key comes back byte for byte."""
 
 
 REGIMES = [Regime(Signature({2: 0.31, 5: 0.42}, {2: 900.0, 5: 1200.0}, 32.0), None, (4, 5, 6),

@@ -105,3 +105,7 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     recalls = [d.t_s for d in decisions if d.what == "recall"]
     assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
     assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
+    # a recalled table came from a whole sweep: only the periodic refits' gate may swap it
+    follow_ups = [d.t_s for d in decisions
+                  if d.what == "refit" and d.fields["reason"] == "follow_up"]
+    assert follow_ups and all(t < recalls[0] for t in follow_ups), decisions

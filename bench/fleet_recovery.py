@@ -104,6 +104,21 @@ def table_at(decisions: list[Decision], epoch_s: float, t_s: float
     return staged[-1].fields["version"], DraftTable.from_vllm(staged[-1].fields["table"])
 
 
+def tables_staged(decisions: list[Decision], epoch_s: float) -> list[dict[str, Any]]:
+    """Every table the run staged, with the refit that made it (its reason, predicted gain
+    and error): which swap cost a phase shows without the control's decisions file."""
+    refits = [d for d in decisions if d.what == "refit"]
+    staged = []
+    for stage in (d for d in decisions if d.what == "stage"):
+        made = [d for d in refits if d.fields.get("version") == stage.fields["version"]
+                and d.t_s <= stage.t_s]
+        why = {} if not made else {key: made[-1].fields[key] for key in
+                                   ("reason", "gain", "gain_stderr") if key in made[-1].fields}
+        staged.append({"t_s": round(stage.t_s - epoch_s, 1), "version": stage.fields["version"],
+                       "table": stage.fields["table"], **why})
+    return staged
+
+
 def canary_cost(fleet: dict[str, Any], decisions: list[Decision], epoch_s: float,
                 phase: dict[str, Any]) -> dict[str, Any] | None:
     """The canary's output deficit while forced, against the other engines' mean, as a
@@ -194,6 +209,7 @@ def recovery(name: str, seed: int, engines: int, speedup: float,
                        for d in decisions if d.what in (*learning, "settle_refit")],
             "reprofiles": reprofiles(base, [dataclasses.replace(d, t_s=d.t_s - epoch_s)
                                             for d in decisions]),
+            "tables": tables_staged(decisions, epoch_s),
             "run": _whole_run(summaries, fixed, in_memory),
             "phases": rows}
 

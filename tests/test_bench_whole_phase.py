@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.fleet_recovery import _whole_run, _window
+from bench.fleet_recovery import _whole_run, _window, tables_staged
 from bench.swing import reprofiles
 from bench.swing_account import account, forced_share
+from controller.fleet.decisions import Decision, What
 from tabletune.suite.ratios import drift_phase
 from tabletune.suite.report import _drift
 from twin import EngineConfig, PhaseConfig, Scenario
@@ -133,3 +134,22 @@ def test_forced_share_worst_window_after_the_cold_profile():
     assert 40.0 <= share["worst_window_start_s"] <= 50.0
     assert forced_share(ts, forced, after_s=95.0, end_s=100.0,
                         window_s=20.0)["worst_window_share"] is None
+
+
+def test_each_staged_table_names_the_refit_that_made_it():
+    """A refit that published (version 3, at 130 s) is named beside its table, not the one
+    that computed the same version at 100 s and kept the old table."""
+    key = "model|ngram|twin"
+    decisions = [
+        Decision(key, 1070.0, What.REFIT, {"reason": "periodic", "version": 3, "gain": 0.001,
+                                          "gain_stderr": 0.01}),
+        Decision(key, 1100.0, What.REFIT, {"reason": "follow_up", "version": 3, "gain": 0.02,
+                                          "gain_stderr": 0.01}),
+        Decision(key, 1100.0, What.STAGE, {"version": 3, "table": [[1, 128, 5]]}),
+        Decision(key, 1200.0, What.STAGE, {"version": 4, "table": [[1, 128, 2]]}),
+    ]
+    assert tables_staged(decisions, epoch_s=1000.0) == [
+        {"t_s": 100.0, "version": 3, "table": [[1, 128, 5]], "reason": "follow_up",
+         "gain": 0.02, "gain_stderr": 0.01},
+        {"t_s": 200.0, "version": 4, "table": [[1, 128, 2]]},
+    ]

@@ -45,7 +45,7 @@ from bench.common import emit
 from bench.controller_bench import SETTLE_S, window_rate
 from bench.swing import reprofile_cell, reprofiles
 from bench.swing_account import account
-from controller.fleet.decisions import Decision
+from controller.fleet.decisions import Decision, What
 from schemas import DraftTable
 from schemas.settings import Settings
 from tabletune.broker import EmbeddedBroker
@@ -105,17 +105,26 @@ def table_at(decisions: list[Decision], epoch_s: float, t_s: float
 
 
 def tables_staged(decisions: list[Decision], epoch_s: float) -> list[dict[str, Any]]:
-    """Every table the run staged, with the refit that made it (its reason, predicted gain
-    and error): which swap cost a phase shows without the control's decisions file."""
-    refits = [d for d in decisions if d.what == "refit"]
-    staged = []
-    for stage in (d for d in decisions if d.what == "stage"):
-        made = [d for d in refits if d.fields.get("version") == stage.fields["version"]
-                and d.t_s <= stage.t_s]
-        why = {} if not made else {key: made[-1].fields[key] for key in
-                                   ("reason", "gain", "gain_stderr") if key in made[-1].fields}
-        staged.append({"t_s": round(stage.t_s - epoch_s, 1), "version": stage.fields["version"],
-                       "table": stage.fields["table"], **why})
+    """Every table the run staged, with what made it: the refit noted just before it (its
+    reason, predicted gain and error), or an `interim` or `roll_back` decision. A refit
+    that published nothing leaves its version to the next table, so only the decision
+    just before a stage (an `unwatched` note aside) made it."""
+    staged: list[dict[str, Any]] = []
+    previous: Decision | None = None
+    for decision in decisions:
+        if decision.what is What.STAGE:
+            why: dict[str, Any] = {}
+            if (previous is not None and previous.what is What.REFIT
+                    and previous.fields.get("version") == decision.fields["version"]):
+                why = {key: previous.fields[key] for key in ("reason", "gain", "gain_stderr")
+                       if key in previous.fields}
+            elif previous is not None and previous.what in (What.INTERIM, What.ROLL_BACK):
+                why = {"reason": previous.what.value}
+            staged.append({"t_s": round(decision.t_s - epoch_s, 1),
+                           "version": decision.fields["version"],
+                           "table": decision.fields["table"], **why})
+        if decision.what is not What.UNWATCHED:
+            previous = decision
     return staged
 
 

@@ -136,20 +136,32 @@ def test_forced_share_worst_window_after_the_cold_profile():
                         window_s=20.0)["worst_window_share"] is None
 
 
-def test_each_staged_table_names_the_refit_that_made_it():
-    """A refit that published (version 3, at 130 s) is named beside its table, not the one
-    that computed the same version at 100 s and kept the old table."""
+def test_each_staged_table_names_what_made_it():
+    """A stage is credited to the decision just before it: the refit that published
+    (version 3 at 100 s, not the one that computed version 3 at 70 s and kept the table),
+    a roll-back or an interim table, whose versions a held-back refit had computed too."""
     key = "model|ngram|twin"
     decisions = [
         Decision(key, 1070.0, What.REFIT, {"reason": "periodic", "version": 3, "gain": 0.001,
                                           "gain_stderr": 0.01}),
         Decision(key, 1100.0, What.REFIT, {"reason": "follow_up", "version": 3, "gain": 0.02,
                                           "gain_stderr": 0.01}),
+        Decision(key, 1100.0, What.UNWATCHED, {"version": 3}),
         Decision(key, 1100.0, What.STAGE, {"version": 3, "table": [[1, 128, 5]]}),
-        Decision(key, 1200.0, What.STAGE, {"version": 4, "table": [[1, 128, 2]]}),
+        Decision(key, 1130.0, What.REFIT, {"reason": "periodic", "version": 4, "gain": 0.001,
+                                          "gain_stderr": 0.01}),
+        Decision(key, 1140.0, What.ROLL_BACK, {"old_version": 2, "new_version": 3}),
+        Decision(key, 1140.0, What.STAGE, {"version": 4, "table": [[1, 128, 2]]}),
+        Decision(key, 1170.0, What.REFIT, {"reason": "periodic", "version": 5, "gain": 0.001,
+                                          "gain_stderr": 0.01}),
+        Decision(key, 1180.0, What.INTERIM, {"version": 5, "records": 900}),
+        Decision(key, 1180.0, What.STAGE, {"version": 5, "table": [[1, 128, 6]]}),
+        Decision(key, 1200.0, What.STAGE, {"version": 6, "table": [[1, 128, 3]]}),
     ]
     assert tables_staged(decisions, epoch_s=1000.0) == [
         {"t_s": 100.0, "version": 3, "table": [[1, 128, 5]], "reason": "follow_up",
          "gain": 0.02, "gain_stderr": 0.01},
-        {"t_s": 200.0, "version": 4, "table": [[1, 128, 2]]},
+        {"t_s": 140.0, "version": 4, "table": [[1, 128, 2]], "reason": "roll_back"},
+        {"t_s": 180.0, "version": 5, "table": [[1, 128, 6]], "reason": "interim"},
+        {"t_s": 200.0, "version": 6, "table": [[1, 128, 3]]},
     ]

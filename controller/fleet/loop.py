@@ -502,6 +502,7 @@ class ClosedLoop:
         self._recalled_version = self.agent.state.desired_version
         self._recalled_s = now_s
         self._table_regime, self._left_regime = regime, False
+        self._follow_up_s = None  # a re-profile's, for the table the recall replaced
         return True
 
     def _send_again(self, regime: Regime, now_s: float) -> None:

@@ -197,6 +197,9 @@ def test_a_traffic_measured_before_a_takeover_is_recalled_by_the_successor() -> 
     sent = next(d for d in successor.decisions if d.what == "refit" and d.t_s == recall.t_s)
     assert sent.fields["sent_again"] == code_version, successor.decisions
     assert not [d for d in successor.decisions if d.what == "reprofile"], successor.decisions
+    # a sweep's table, sent again, is swapped only through the periodic refits' gate
+    assert not [d for d in successor.decisions if d.what == "refit"
+                and d.fields["reason"] == "follow_up"], successor.decisions
     code_table = first.agent.state.accepted[code_version].table
     assert successor.agent.desired().table == code_table  # type: ignore[union-attr]
 

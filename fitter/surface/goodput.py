@@ -194,11 +194,7 @@ def evaluate_surface(
     latency_s = np.maximum(latency_s, 1e-9)
     held_latency_s = np.maximum(latency.predict_held(X).reshape(grid_b.shape), 1e-9)
     log_gradient = design.reshape(*grid_b.shape, -1) / latency_s[..., None]
-    # a quadratic form of a pseudo-inverse's covariance can fall a rounding error below 0
-    # where the fit pins the latency down (as `predict_std` clips it): its square root was
-    # NaN, and a refit that published it failed (twin n-gram swing, seed 22: 3 refits)
-    param_var_log_t = np.maximum(np.einsum("bkp,pq,bkq->bk", log_gradient,
-                                           latency.coef_covariance_, log_gradient), 0.0)
+    param_var_log_t = latency.coefficient_variance(log_gradient)
     unidentified_rel = latency.unidentified_std(X).reshape(grid_b.shape) / latency_s
     extra_var = (extrapolation_variance(ks, latency.observed_k_, latency_extrapolation_rel)[None, :]
                  + unidentified_rel**2)

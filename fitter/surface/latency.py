@@ -307,8 +307,16 @@ class StepLatencyModel(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "coef_")
         matrix = latency_matrix(X)
         design = latency_design(matrix, self.knots_)
-        variance = np.einsum("ij,jk,ik->i", design, self.coef_covariance_, design)
-        return np.sqrt(np.maximum(variance, 0.0) + self.unidentified_std(matrix) ** 2)
+        return np.sqrt(self.coefficient_variance(design) + self.unidentified_std(matrix) ** 2)
+
+    def coefficient_variance(self, design: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Variance of `design @ coef_` from the coefficients' covariance, per row of
+        `design` (any leading shape; the last axis is the coefficients'). Clipped at 0: a
+        pseudo-inverse's quadratic form can fall a rounding error below it, and its square
+        root was NaN (twin n-gram swing, seed 22: 3 refits failed on it)."""
+        check_is_fitted(self, "coef_")
+        variance = np.einsum("...p,pq,...q->...", design, self.coef_covariance_, design)
+        return np.maximum(variance, 0.0)
 
     def unidentified_std(self, X: ArrayLike) -> NDArray[np.float64]:
         """Latency (s) the data cannot pin down at all, per row.

@@ -122,6 +122,22 @@ class DriftConfig:
     renotify_s: float = 60.0
     """A table left stale is reported again after this long (a lost `stale`, or a re-profile
     that did not come, gets another chance)."""
+    fast_window_s: float = 10.0
+    """The newest this many seconds of the window are also tested alone, at `fast_factor`
+    thresholds: a switch of workload shows in full within seconds, where the minute's mean
+    takes half a minute to reach the bar (twin, n-gram at 32 users: per second +40-50%
+    acceptance 4 s after the switch, the minute's mean at the bar 31 s after it). Such a
+    report is `fast` and leaves the detector watching: it is soon enough to recall a regime
+    seen before, too soon to measure a new one (its requests are young; n-gram acceptance
+    grows with their output). 0 = off."""
+    fast_factor: float = 2.0
+    """A shift over `fast_window_s` must pass this many thresholds (or the after-sweep
+    factor's, if larger): ten seconds of a closed loop wander more than a minute does, so
+    only a shift twice the size of a drift is one there ..."""
+    fast_load_factor: float = 1.5
+    """... and their mean batch size must lie within this factor of the window's: a load
+    that moves is a batch still draining, whose survivors accept and cost what neither
+    regime does (twin, EAGLE 128 -> 16 users: read 18 s after the drop, 37% under)."""
     chunk_s: float = 1.0
     """Standard errors come from the means of chunks this many seconds of telemetry time
     long, however the records arrived: a service that falls behind gets them in larger
@@ -130,6 +146,9 @@ class DriftConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, window_s=above(0), reference_s=at_least(0), min_steps=at_least(2),
+                     fast_window_s=in_range(0, self.window_s).because(
+                         "a part of window_s (0: off)"),
+                     fast_factor=at_least(1), fast_load_factor=above(1),
                      chunk_s=in_range(0, self.window_s / 4, low_open=True).because(
                          "a quarter of window_s at most"))
 
@@ -146,6 +165,9 @@ class DriftReport:
     against_prediction: float = math.nan
     """The same change against the table's own prediction, the reference's miss included
     (latency and acceptance): a rise back to what the table priced hides nothing from it."""
+    fast: bool = False
+    """Read over the newest `DriftConfig.fast_window_s` alone: the detector stays watching,
+    and the minute's window reports the drift again once it passes the bar there."""
 
     def fields(self) -> dict[str, Any]:
         fields = {"signal": self.signal, "magnitude": round(self.magnitude, 4),
@@ -153,6 +175,8 @@ class DriftReport:
                   "version": self.version}
         if math.isfinite(self.against_prediction):
             fields["against_prediction"] = round(self.against_prediction, 4)
+        if self.fast:
+            fields["fast"] = True
         return fields
 
 
@@ -160,7 +184,8 @@ BATCH_MEANS_SIZES = (1, 2, 4)
 """Chunks per batch tried by the standard errors of a fit's steps and of the reference in the
 misfit check: up to 4 s, the time a small batch's acceptance was seen to run high or low
 together on the twin's traces."""
-_STATS = 8  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps
+_STATS = 9  # n_lat, sum r, sum r^2, n_acc, sum observed, sum expected, n_outside, n_steps,
+# sum of batch sizes
 
 
 def drafting_request_tokens(surface: Mapping[str, Any], column: int) -> float:
@@ -316,7 +341,9 @@ class DriftDetector:
                 self._open = (open_index, max(open_s, newest_s), open_stats + stats)
                 continue
             if self._open is not None:
-                report = self._add_chunk(self._open[1], self._open[2]) or report
+                added = self._add_chunk(self._open[1], self._open[2])
+                if added is not None and (report is None or report.fast):
+                    report = added  # a fast report never hides the window's
             self._open = (int(chunk), newest_s, stats)
         return report
 
@@ -342,13 +369,15 @@ class DriftDetector:
             self._window.popleft()
         if self.state is DriftState.STALE:
             if now_s - self._reported_s < cfg.renotify_s:
-                return None
+                # quiet on the drift reported, but a switch after it is another one: a
+                # table kept after acceptance fell 12% ran a return to GSM8K for 40 s
+                return self._fast_check(now_s) if self._referenced else None
             if not self._referenced:  # a coverage report cut its reference short
                 self._learn_reference(now_s)
                 return None
             self.state = DriftState.WATCHING
         report = self._check(now_s)
-        if report is not None:
+        if report is not None and not report.fast:
             self.state = DriftState.STALE
             self._reported_s = now_s
         return report
@@ -380,6 +409,7 @@ class DriftDetector:
             outside = (steps.batch_size > factor * high) | (steps.batch_size * factor < low)
             stats[6] = float(outside.sum())
         stats[7] = len(steps)
+        stats[8] = float(steps.batch_size.sum())
         return stats
 
     @staticmethod
@@ -483,11 +513,50 @@ class DriftDetector:
                                threshold))
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
-                level = self._recent_level(signal)
-                reference = self._ref_lat if signal == "latency" else self._ref_acc
-                return DriftReport(signal, math.expm1(level - reference), z, steps,
-                                   self.version, against_prediction=math.expm1(level))
+                return self._report(signal, z, steps)
+        return self._fast_check(now_s)
+
+    def _fast_check(self, now_s: float) -> DriftReport | None:
+        """The newest `fast_window_s` alone, at `fast_factor` thresholds. Their error is at
+        least the reference's wander over as many chunks (its chunk spread is this table's
+        closed loop at rest): ten chunks of a few requests that run high together would
+        otherwise read as a tight mean."""
+        cfg = self.config
+        if cfg.fast_window_s <= 0:
+            return None
+        recent = np.array([stats for end_s, stats in self._window
+                           if end_s > now_s - cfg.fast_window_s])
+        if len(recent) < 4:
+            return None
+        stats = recent.sum(axis=0)
+        window = np.array([entry[1] for entry in self._window]).sum(axis=0)
+        if not (stats[7] and window[7]) or abs(math.log(
+                (stats[8] / stats[7]) / (window[8] / window[7]))) > math.log(cfg.fast_load_factor):
+            return None
+        lat, acc = self._means(stats)
+        reference_chunks = max(len(self._ref_chunks), 1)
+        for signal, column, value, ref, ref_se, threshold in (
+                ("latency", 0, lat, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
+                ("acceptance", 3, acc, self._ref_acc, self._ref_se[1],
+                 cfg.acceptance_threshold)):
+            usable = recent[recent[:, column] > 0]
+            if stats[column] < cfg.min_steps or len(usable) < 4:
+                continue
+            wander = ref_se * math.sqrt(reference_chunks / len(usable))
+            se = math.hypot(max(self._chunk_se(recent, column), wander), ref_se)
+            strict = self._bar(signal, threshold, now_s) > math.log1p(threshold)
+            factor = max(cfg.fast_factor, cfg.after_sweep_factor if strict else 1.0)
+            shift = abs(value - ref)
+            if shift >= math.log1p(factor * threshold) and se > 0 and shift / se >= cfg.z:
+                return self._report(signal, shift / se, int(stats[7]), fast=True)
         return None
+
+    def _report(self, signal: str, z: float, steps: int, *, fast: bool = False) -> DriftReport:
+        """A report of `signal`, sized by its newest steps (`_recent_level`)."""
+        level = self._recent_level(signal)
+        reference = self._ref_lat if signal == "latency" else self._ref_acc
+        return DriftReport(signal, math.expm1(level - reference), z, steps, self.version,
+                           against_prediction=math.expm1(level), fast=fast)
 
     def _coverage(self, stats: NDArray[np.float64]) -> DriftReport | None:
         """`coverage_threshold` of `min_steps` or more steps outside the fitted range."""

@@ -89,7 +89,7 @@ class EngineWatch:
             self.rollbacks += 1
             return True
         report = self.drift.observe(steps)
-        if report is not None:
+        if report is not None and not report.fast:  # an engine has no regime to recall
             self.status.emit("stale", **report.fields())
             self.guardrail.reset_baseline()
         return False

@@ -387,6 +387,9 @@ class ClosedLoop:
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
         observed = self.drift.observe(steps)
+        if observed is not None and observed.fast and not (
+                self.config.reprofile_on_stale and self._match(observed.version, now_s)):
+            observed = None  # too soon to measure a new regime: the minute's window decides
         resumed, self._resumed_report = self._resumed_report, None
         if resumed is not None and resumed.version != self.drift.version:
             resumed = None  # said of a table the fleet no longer runs (a roll-back's too)
@@ -477,17 +480,10 @@ class ClosedLoop:
         publish now, with no forced step. A recalled table called stale within
         `RECALL_TRUST_S` was a wrong match: the loop measures what it missed (a probe, or a
         settled refit where the table's steps hide nothing)."""
-        if (stale_version == self._recalled_version
-                and now_s - self._recalled_s < RECALL_TRUST_S):
+        match = self._match(stale_version, now_s)
+        if match is None:
             return False
-        for span_s in SIGNATURE_S:
-            signature = Signature.of(self.window.window(now_s, since_s=now_s - span_s))
-            regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold,
-                                         stale=self._table_regime)
-            if regime is not None and signature is not None:
-                break
-        else:
-            return False
+        regime, signature = match
         distance = regime.signature.distance(signature) or (0.0, 0.0)
         self._decisions.note(now_s, What.RECALL, batch_size=round(signature.batch, 1),
                              acceptance_off=round(math.expm1(distance[0]), 4),
@@ -504,6 +500,20 @@ class ClosedLoop:
         self._table_regime, self._left_regime = regime, False
         self._follow_up_s = None  # a re-profile's, for the table the recall replaced
         return True
+
+    def _match(self, stale_version: int, now_s: float) -> tuple[Regime, Signature] | None:
+        """The regime the newest steps match, and their signature (`_recall`); None where
+        none does, or where `stale_version` is a recall's within `RECALL_TRUST_S`."""
+        if (stale_version == self._recalled_version
+                and now_s - self._recalled_s < RECALL_TRUST_S):
+            return None
+        for span_s in SIGNATURE_S:
+            signature = Signature.of(self.window.window(now_s, since_s=now_s - span_s))
+            regime = self.regimes.recall(signature, self.config.drift.acceptance_threshold,
+                                         stale=self._table_regime)
+            if regime is not None and signature is not None:
+                return regime, signature
+        return None
 
     def _send_again(self, regime: Regime, now_s: float) -> None:
         """A regime restored from an earlier owner has no sweep to refit on: the table its

@@ -542,8 +542,10 @@ def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> N
     """Once the probes spent `probe_share` of the last ten minutes, a re-profile runs no
     block: it refits on the settling stretch alone."""
     config = LoopConfig(probe_share=0.005)  # 3 s in any ten minutes: one block
+    # code that repeats more than the first: a new regime (a return is recalled, no block)
     code_again = PhaseConfig(name="code-again", duration_s=120, concurrency=48,
-                             acceptance=NGRAM_CODE, prompt_len=171, output_len=262)
+                             acceptance=(0.95, 0.97, 0.97, 0.97, 0.97), prompt_len=171,
+                             output_len=262)
     chat_then_code = ngram_chat_to_code(code_s=75, chat_again_s=75, chat_again=NGRAM_POOR_CHAT,
                                         chat=NGRAM_POOR_CHAT)
     # acceptance rises twice (chat -> code): a block is worth running each time

@@ -83,9 +83,9 @@ def test_traffic_measured_again_keeps_the_k_values_it_was_read_at_before() -> No
 
 def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
-    re-profile; each return is recalled from the sweep that measured it. The return to code
-    is called stale 11 s after the switch: its last 20 s sign half chat and match nothing,
-    its last 10 s match code (`regimes.SIGNATURE_S`)."""
+    re-profile; each return is recalled from the sweep that measured it, seconds after the
+    switch: its last 20 s then sign half the old traffic and match nothing, its last 10 or
+    5 s match (`regimes.SIGNATURE_S`)."""
     def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int) -> PhaseConfig:
         return PhaseConfig(name=name, duration_s=150, concurrency=32, acceptance=acceptance,
                            prompt_len=prompt, output_len=output)
@@ -105,6 +105,8 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     recalls = [d.t_s for d in decisions if d.what == "recall"]
     assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
     assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
+    # recalled from the newest seconds (`DriftConfig.fast_window_s`), not the minute's mean
+    assert recalls[0] - 300 < 15 and recalls[1] - 450 < 15, decisions
     # a recalled table came from a whole sweep: only the periodic refits' gate may swap it
     follow_ups = [d.t_s for d in decisions
                   if d.what == "refit" and d.fields["reason"] == "follow_up"]

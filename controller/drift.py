@@ -24,6 +24,9 @@ only from probes; coverage and the periodic refits carry the rest.
 
 A signal fires when, over the sliding window, its magnitude passes its threshold and its
 z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.
+Acceptance is also read over the newest seconds alone, at a higher bar: such a report is
+`fast`, a hint that a workload switched (soon enough to recall a regime seen before) which
+leaves the detector watching; the window's report follows once the switch passes its bar.
 The fitter's own misfit is learned per table as a reference over the first `reference_s`
 of the watch, so a fit that is 3% off everywhere is not "drift" - a change after it is.
 A reference that misses by more than a drift is reported at once, if the miss stands out
@@ -45,7 +48,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controller.steps import StepColumns
-from schemas.bounds import above, at_least, check_bounds, in_range
+from schemas.bounds import Bound, above, at_least, check_bounds, in_range
 
 
 class DriftState(enum.Enum):
@@ -55,7 +58,8 @@ class DriftState(enum.Enum):
     """Learning this table's misfit against its own prediction."""
     WATCHING = "watching"
     STALE = "stale"
-    """Reported; quiet until a new table or `renotify_s` passes."""
+    """Reported; quiet until a new table or `renotify_s` passes (but for a fast report of a
+    switch after the one reported)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,8 @@ class DriftConfig:
     acceptance 4 s after the switch, the minute's mean at the bar 31 s after it). Such a
     report is `fast` and leaves the detector watching: it is soon enough to recall a regime
     seen before, too soon to measure a new one (its requests are young; n-gram acceptance
-    grows with their output). 0 = off."""
+    grows with their output). Acceptance only: a latency shift says nothing of which
+    traffic runs. 0 = off; at least four `chunk_s` chunks otherwise."""
     fast_factor: float = 2.0
     """A shift over `fast_window_s` must pass this many thresholds (or the after-sweep
     factor's, if larger): ten seconds of a closed loop wander more than a minute does, so
@@ -146,8 +151,10 @@ class DriftConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, window_s=above(0), reference_s=at_least(0), min_steps=at_least(2),
-                     fast_window_s=in_range(0, self.window_s).because(
-                         "a part of window_s (0: off)"),
+                     fast_window_s=Bound(
+                         "0 (off), or 4 x chunk_s to window_s (it tests at least 4 chunks)",
+                         lambda value: not (value == 0 or 4 * self.chunk_s <= value
+                                            <= self.window_s)),
                      fast_factor=at_least(1), fast_load_factor=above(1),
                      chunk_s=in_range(0, self.window_s / 4, low_open=True).because(
                          "a quarter of window_s at most"))
@@ -166,8 +173,9 @@ class DriftReport:
     """The same change against the table's own prediction, the reference's miss included
     (latency and acceptance): a rise back to what the table priced hides nothing from it."""
     fast: bool = False
-    """Read over the newest `DriftConfig.fast_window_s` alone: the detector stays watching,
-    and the minute's window reports the drift again once it passes the bar there."""
+    """Acceptance read over the newest `DriftConfig.fast_window_s` alone: a hint, repeated
+    while it holds; the detector's state does not change, and the window reports the drift
+    once it passes the bar there."""
 
     def fields(self) -> dict[str, Any]:
         fields = {"signal": self.signal, "magnitude": round(self.magnitude, 4),
@@ -235,6 +243,9 @@ class DriftDetector:
         self._fit_chunks = 0
         self._referenced = False
         """The active table's reference was learned (a coverage report can cut it short)."""
+        self._reported_acc = 0.0
+        """The acceptance level the last report read (`_recent_level`): in the quiet spell
+        after it, a fast report is of a switch away from that level, not the same drift."""
         self._open: tuple[int, float, NDArray[np.float64]] | None = None
         """(chunk index, newest step time, summed stats) of the chunk still filling."""
 
@@ -321,7 +332,8 @@ class DriftDetector:
         return math.log1p((self.config.after_sweep_factor if strict else 1.0) * threshold)
 
     def observe(self, steps: StepColumns) -> DriftReport | None:
-        """Add records; a report when the active table has just gone stale. A chunk of
+        """Add records; a report when the active table has just gone stale (or a `fast` hint
+        that a workload switched; a window's report wins within one call). A chunk of
         `chunk_s` is tested once a step of a later chunk arrives (late steps of an earlier
         one join the chunk still filling)."""
         if self._latency is None or len(steps) == 0:
@@ -371,7 +383,8 @@ class DriftDetector:
             if now_s - self._reported_s < cfg.renotify_s:
                 # quiet on the drift reported, but a switch after it is another one: a
                 # table kept after acceptance fell 12% ran a return to GSM8K for 40 s
-                return self._fast_check(now_s) if self._referenced else None
+                return (self._fast_check(now_s, self._reported_acc) if self._referenced
+                        else None)
             if not self._referenced:  # a coverage report cut its reference short
                 self._learn_reference(now_s)
                 return None
@@ -380,6 +393,7 @@ class DriftDetector:
         if report is not None and not report.fast:
             self.state = DriftState.STALE
             self._reported_s = now_s
+            self._reported_acc = self._recent_level("acceptance")
         return report
 
     # ---- internals ------------------------------------------------------------------------
@@ -514,42 +528,47 @@ class DriftDetector:
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
                 return self._report(signal, z, steps)
-        return self._fast_check(now_s)
+        return self._fast_check(now_s, self._ref_acc)
 
-    def _fast_check(self, now_s: float) -> DriftReport | None:
-        """The newest `fast_window_s` alone, at `fast_factor` thresholds. Their error is at
-        least the reference's wander over as many chunks (its chunk spread is this table's
-        closed loop at rest): ten chunks of a few requests that run high together would
-        otherwise read as a tight mean."""
+    def _fast_check(self, now_s: float, level: float) -> DriftReport | None:
+        """Acceptance over the newest `fast_window_s` alone against `level` (the
+        reference's, or in a quiet spell the level reported), at `fast_factor` thresholds.
+        Its error is at least the reference's wander over as many chunks (its chunk spread
+        is this table's closed loop at rest): ten chunks of a few requests that run high
+        together would otherwise read as a tight mean. Silent where the load moved
+        (`fast_load_factor`) against the reference's or the window's."""
         cfg = self.config
-        if cfg.fast_window_s <= 0:
-            return None
+        if cfg.fast_window_s <= 0 or cfg.reference_s <= 0:
+            return None  # without a reference, no wander to bound ten seconds' error
         recent = np.array([stats for end_s, stats in self._window
                            if end_s > now_s - cfg.fast_window_s])
         if len(recent) < 4:
             return None
         stats = recent.sum(axis=0)
         window = np.array([entry[1] for entry in self._window]).sum(axis=0)
-        if not (stats[7] and window[7]) or abs(math.log(
-                (stats[8] / stats[7]) / (window[8] / window[7]))) > math.log(cfg.fast_load_factor):
+        if not all(self._load_near(stats, other) for other in (self._ref_stats, window)):
             return None
-        lat, acc = self._means(stats)
-        reference_chunks = max(len(self._ref_chunks), 1)
-        for signal, column, value, ref, ref_se, threshold in (
-                ("latency", 0, lat, self._ref_lat, self._ref_se[0], cfg.latency_threshold),
-                ("acceptance", 3, acc, self._ref_acc, self._ref_se[1],
-                 cfg.acceptance_threshold)):
-            usable = recent[recent[:, column] > 0]
-            if stats[column] < cfg.min_steps or len(usable) < 4:
-                continue
-            wander = ref_se * math.sqrt(reference_chunks / len(usable))
-            se = math.hypot(max(self._chunk_se(recent, column), wander), ref_se)
-            strict = self._bar(signal, threshold, now_s) > math.log1p(threshold)
-            factor = max(cfg.fast_factor, cfg.after_sweep_factor if strict else 1.0)
-            shift = abs(value - ref)
-            if shift >= math.log1p(factor * threshold) and se > 0 and shift / se >= cfg.z:
-                return self._report(signal, shift / se, int(stats[7]), fast=True)
+        usable = recent[recent[:, 3] > 0]
+        if stats[3] < cfg.min_steps or len(usable) < 4:
+            return None
+        reference_chunks = max(sum(1 for chunk in self._ref_chunks if chunk[3] > 0), 1)
+        wander = self._ref_se[1] * math.sqrt(reference_chunks / len(usable))
+        se = math.hypot(max(self._chunk_se(recent, 3), wander), self._ref_se[1])
+        threshold = cfg.acceptance_threshold
+        strict = self._bar("acceptance", threshold, now_s) > math.log1p(threshold)
+        factor = max(cfg.fast_factor, cfg.after_sweep_factor if strict else 1.0)
+        shift = abs(self._means(stats)[1] - level)
+        if shift >= math.log1p(factor * threshold) and se > 0 and shift / se >= cfg.z:
+            return self._report("acceptance", shift / se, int(stats[7]), fast=True)
         return None
+
+    def _load_near(self, stats: NDArray[np.float64], other: NDArray[np.float64]) -> bool:
+        """Whether the mean batch sizes of two summed stats lie within `fast_load_factor`
+        of each other (False where either has no steps or no batch)."""
+        if min(stats[7], stats[8], other[7], other[8]) <= 0:
+            return False
+        ratio = (stats[8] / stats[7]) / (other[8] / other[7])
+        return abs(math.log(ratio)) <= math.log(self.config.fast_load_factor)
 
     def _report(self, signal: str, z: float, steps: int, *, fast: bool = False) -> DriftReport:
         """A report of `signal`, sized by its newest steps (`_recent_level`)."""

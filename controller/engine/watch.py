@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from controller.drift import DriftDetector
+from controller.drift import DriftConfig, DriftDetector
 from controller.engine.agent import TableAgent
 from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
@@ -60,7 +60,8 @@ class EngineWatch:
         self.status = status
         self.tap = tap
         self.guardrail = Guardrail()
-        self.drift = DriftDetector(max_batch)
+        # no fast hints: they serve a recall, and an engine has no regimes to recall
+        self.drift = DriftDetector(max_batch, DriftConfig(fast_window_s=0.0))
         self.rollbacks = 0
 
     def table_applied(self, version: int, previous: int, surface: Any, at_s: float, *,
@@ -89,7 +90,7 @@ class EngineWatch:
             self.rollbacks += 1
             return True
         report = self.drift.observe(steps)
-        if report is not None and not report.fast:  # an engine has no regime to recall
+        if report is not None:
             self.status.emit("stale", **report.fields())
             self.guardrail.reset_baseline()
         return False

@@ -387,18 +387,26 @@ class ClosedLoop:
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
         observed = self.drift.observe(steps)
-        if observed is not None and observed.fast and not (
-                self.config.reprofile_on_stale and self._match(observed.version, now_s)):
-            observed = None  # too soon to measure a new regime: the minute's window decides
         resumed, self._resumed_report = self._resumed_report, None
         if resumed is not None and resumed.version != self.drift.version:
             resumed = None  # said of a table the fleet no longer runs (a roll-back's too)
-        report = resumed or observed or self._unmeasured_load(now_s)
+        for report in (resumed, observed):
+            if report is None:
+                continue
+            match = (self._match(report.version, now_s)
+                     if report.fast and self.config.reprofile_on_stale else None)
+            if report.fast and match is None:
+                continue  # too soon to measure a new regime: the minute's window decides
+            self._stale(report, now_s, match=match)
+            return
+        report = self._unmeasured_load(now_s)
         if report is not None:
             self._stale(report, now_s)
 
-    def _stale(self, report: DriftReport, now_s: float) -> None:
-        """The table is stale: recall a regime seen before, or re-profile."""
+    def _stale(self, report: DriftReport, now_s: float, *,
+               match: tuple[Regime, Signature] | None = None) -> None:
+        """The table is stale: recall a regime seen before (`match`, where a fast report
+        found it), or re-profile."""
         self.status.emit("stale", **report.fields())
         self._decisions.note(now_s, What.STALE, **report.fields())
         self.guardrail.reset_baseline()
@@ -406,7 +414,7 @@ class ClosedLoop:
         if report.signal == "latency":
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
-            if self._recall(report.version, now_s):
+            if self._recall(report.version, now_s, match=match):
                 return
             hidden = Hidden.of(report.signal, report.magnitude)
             if hidden is Hidden.ACCEPTANCE and self._priced_rise(report):
@@ -475,12 +483,13 @@ class ClosedLoop:
         return DriftReport("coverage", float(np.mean(recent > past)), math.inf,
                            int(recent.size), version)
 
-    def _recall(self, stale_version: int, now_s: float) -> bool:
+    def _recall(self, stale_version: int, now_s: float, *,
+                match: tuple[Regime, Signature] | None = None) -> bool:
         """Traffic that a re-profile measured before (`RegimeMemory`): refit on that sweep and
         publish now, with no forced step. A recalled table called stale within
         `RECALL_TRUST_S` was a wrong match: the loop measures what it missed (a probe, or a
         settled refit where the table's steps hide nothing)."""
-        match = self._match(stale_version, now_s)
+        match = match or self._match(stale_version, now_s)
         if match is None:
             return False
         regime, signature = match

@@ -41,14 +41,19 @@ def steps(rng: np.random.Generator, t0: float, n: int, *, latency_factor: float 
 
 def feed(detector: DriftDetector, rng: np.random.Generator, seconds: range,
          **shift: Any) -> list[Any]:
-    """The window's reports (a fast one, of the newest seconds alone, is a hint the
-    detector repeats while watching on)."""
+    """Every report, fast hints included: a test of quiet traffic asserts neither comes."""
     reports = []
     for second in seconds:
         report = detector.observe(steps(rng, float(second), 60, **shift))
-        if report is not None and not report.fast:
+        if report is not None:
             reports.append(report)
     return reports
+
+
+def window(reports: list[Any]) -> list[Any]:
+    """The window's reports (a fast hint, of the newest seconds alone, repeats while it
+    holds)."""
+    return [report for report in reports if not report.fast]
 
 
 def fresh(**config: Any) -> DriftDetector:
@@ -69,7 +74,7 @@ def test_acceptance_shift_is_flagged_with_its_magnitude() -> None:
     rng = np.random.default_rng(1)
     detector = fresh()
     assert feed(detector, rng, range(0, 40)) == []
-    reports = feed(detector, rng, range(40, 80), acceptance_factor=1.3)
+    reports = window(feed(detector, rng, range(40, 80), acceptance_factor=1.3))
     assert len(reports) == 1  # reported once, then quiet until renotify_s
     report = reports[0]
     assert report.signal == "acceptance"
@@ -106,7 +111,7 @@ def test_latency_shift_is_flagged() -> None:
     rng = np.random.default_rng(2)
     detector = fresh()
     feed(detector, rng, range(0, 40))
-    reports = feed(detector, rng, range(40, 100), latency_factor=1.25)
+    reports = window(feed(detector, rng, range(40, 100), latency_factor=1.25))
     assert [r.signal for r in reports] == ["latency"]
     assert reports[0].magnitude == pytest.approx(0.25, abs=0.05)
 
@@ -144,19 +149,19 @@ def test_a_confirmed_refits_miss_is_learned_unless_it_straddled(factor: float) -
 
     profiled = fresh()
     profiled.after_sweep(0.0)
-    reports = feed(profiled, rng, range(0, 40), acceptance_factor=factor)
+    reports = window(feed(profiled, rng, range(0, 40), acceptance_factor=factor))
     assert [r.signal for r in reports] == ["acceptance"]
 
     straddled = DriftDetector(max_batch=128)
     straddled.after_sweep(0.0)
     straddled.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(16, 48),
                            confirmed=True)
-    reports = feed(straddled, rng, range(0, 40), acceptance_factor=0.6)
+    reports = window(feed(straddled, rng, range(0, 40), acceptance_factor=0.6))
     assert [r.signal for r in reports] == ["acceptance"]
 
     # the factor is that envelope's, not every later one's
     confirmed.set_envelope(7, surface(), at_s=120.0, fitted_batch_range=(16, 48))
-    later = feed(confirmed, rng, range(120, 160), acceptance_factor=factor)
+    later = window(feed(confirmed, rng, range(120, 160), acceptance_factor=factor))
     assert [r.signal for r in later] == ["acceptance"]
 
 
@@ -166,7 +171,7 @@ def test_a_table_far_off_its_own_prediction_from_the_start_is_stale(factor: floa
     regime, not a bias to learn."""
     rng = np.random.default_rng(3)
     detector = fresh()
-    reports = feed(detector, rng, range(0, 40), acceptance_factor=factor)
+    reports = window(feed(detector, rng, range(0, 40), acceptance_factor=factor))
     assert [r.signal for r in reports] == ["acceptance"]
     assert reports[0].magnitude == pytest.approx(factor - 1, abs=0.08)
     assert detector.state is DriftState.STALE
@@ -179,10 +184,10 @@ def test_a_rise_back_to_the_prediction_is_reported_against_both() -> None:
     it probes what a rise hides (twin EAGLE swing, 16 users, seed 21)."""
     rng = np.random.default_rng(3)
     detector = fresh()
-    [misfit] = feed(detector, rng, range(0, 40), acceptance_factor=0.75)
+    [misfit] = window(feed(detector, rng, range(0, 40), acceptance_factor=0.75))
     assert misfit.signal == "acceptance"
     assert misfit.against_prediction == pytest.approx(-0.25, abs=0.08)
-    [back] = feed(detector, rng, range(40, 120))
+    [back] = window(feed(detector, rng, range(40, 120)))
     assert back.signal == "acceptance"
     assert back.magnitude == pytest.approx(1 / 0.75 - 1, abs=0.08)
     assert back.against_prediction == pytest.approx(0.0, abs=0.05)
@@ -203,7 +208,7 @@ def test_the_prediction_is_the_goodputs_with_its_composition_factor(with_yield: 
     detector = DriftDetector(max_batch=128)
     fields = {"tokens_per_request": tokens, "draft_share": share} if with_yield else {}
     detector.set_envelope(7, {**surface(), **fields}, at_s=0.0, fitted_batch_range=(16, 48))
-    reports = feed(detector, rng, range(0, 60), acceptance_factor=corrected / AL[2])
+    reports = window(feed(detector, rng, range(0, 60), acceptance_factor=corrected / AL[2]))
     if with_yield:
         assert reports == []
         assert detector.state is DriftState.WATCHING
@@ -258,13 +263,13 @@ def test_after_a_sweep_only_a_large_acceptance_shift_is_drift() -> None:
     detector.after_sweep(0.0)
     feed(detector, rng, range(0, 40))
     assert feed(detector, rng, range(40, 120), acceptance_factor=0.8) == []
-    reports = feed(detector, rng, range(120, 180), acceptance_factor=0.6)
+    reports = window(feed(detector, rng, range(120, 180), acceptance_factor=0.6))
     assert [r.signal for r in reports] == ["acceptance"]
 
     late = fresh()
     late.after_sweep(0.0)
     feed(late, rng, range(0, 190))  # the period (180 s) ends
-    reports = feed(late, rng, range(190, 260), acceptance_factor=0.8)
+    reports = window(feed(late, rng, range(190, 260), acceptance_factor=0.8))
     assert [r.signal for r in reports] == ["acceptance"]
 
 
@@ -276,12 +281,12 @@ def test_after_a_sweep_latency_and_misfit_keep_their_bars() -> None:
     slower = fresh()
     slower.after_sweep(0.0)
     feed(slower, rng, range(0, 40))
-    reports = feed(slower, rng, range(40, 120), latency_factor=1.3)
+    reports = window(feed(slower, rng, range(40, 120), latency_factor=1.3))
     assert [r.signal for r in reports] == ["latency"]
 
     misfit = fresh()
     misfit.after_sweep(0.0)
-    reports = feed(misfit, rng, range(0, 40), acceptance_factor=0.8)
+    reports = window(feed(misfit, rng, range(0, 40), acceptance_factor=0.8))
     assert [r.signal for r in reports] == ["acceptance"]
 
 
@@ -317,6 +322,33 @@ def test_ten_seconds_of_a_small_batchs_wander_is_not_a_switch() -> None:
     assert detector.observe(wandering(rng, range(30, 150), swing=0.35, run_s=10)) is None
 
 
+def test_in_the_quiet_spell_only_a_switch_after_the_drift_reported_is_hinted() -> None:
+    """After a 40% fall is reported, the same level is no news; a switch from it back to
+    the reference, within the report's quiet spell, is hinted within seconds."""
+    rng = np.random.default_rng(13)
+    detector = fresh()
+    feed(detector, rng, range(0, 100))
+    fell = feed(detector, rng, range(100, 150), acceptance_factor=0.6)
+    assert [r.fast for r in fell][-1:] == [False] and detector.state is DriftState.STALE
+    assert feed(detector, rng, range(150, 165), acceptance_factor=0.6) == []
+    switched = feed(detector, rng, range(165, 175), acceptance_factor=1.0)
+    assert switched and all(r.fast for r in switched)
+    assert detector.state is DriftState.STALE
+
+
+def test_no_hint_while_the_load_moves() -> None:
+    """Acceptance 50% up as the batch drops from 32 to 8: a batch that drains accepts what
+    neither load does, so the newest seconds hint nothing; the window judges it."""
+    rng = np.random.default_rng(14)
+    detector = DriftDetector(max_batch=128)
+    detector.set_envelope(7, surface(), at_s=0.0, fitted_batch_range=(4, 48))
+    feed(detector, rng, range(0, 100))
+    moved = [detector.observe(steps(rng, float(t), 60, batch=8, acceptance_factor=1.5))
+             for t in range(100, 160)]
+    reports = [r for r in moved if r is not None]
+    assert reports and not any(r.fast for r in reports)
+
+
 def wandering(rng: np.random.Generator, seconds: range, *, level: float = 1.0,
               swing: float = 0.3, run_s: int = 5, batch: int = 4) -> StepColumns:
     """A small batch whose acceptance runs `swing` above and below `level` for `run_s`
@@ -339,7 +371,7 @@ def test_a_reference_is_judged_against_the_fits_own_spread(seed: int) -> None:
         detector = DriftDetector(max_batch=128)
         detector.set_envelope(7, surface(), at_s=30.0, fitted_batch_range=(2, 8),
                               fit_steps=fit_steps)
-        reports = feed(detector, rng, range(30, 53), batch=4, acceptance_factor=0.75)
+        reports = window(feed(detector, rng, range(30, 53), batch=4, acceptance_factor=0.75))
         for second in range(53, 173):
             report = detector.observe(wandering(rng, range(second, second + 1)))
             if report is not None:
@@ -389,19 +421,19 @@ def test_a_rereferenced_table_learns_the_new_level_and_watches_for_the_next() ->
     rng = np.random.default_rng(4)
     detector = fresh()
     assert feed(detector, rng, range(0, 40)) == []
-    [report] = feed(detector, rng, range(40, 80), acceptance_factor=1.3)
+    [report] = window(feed(detector, rng, range(40, 80), acceptance_factor=1.3))
     assert report.signal == "acceptance" and report.magnitude > 0
     detector.rereference(80.0)
     assert detector.state is DriftState.REFERENCE and detector.since_s == 80.0
     assert feed(detector, rng, range(80, 260), acceptance_factor=1.3) == []
-    later = feed(detector, rng, range(260, 320), acceptance_factor=1.3 * 1.3)
+    later = window(feed(detector, rng, range(260, 320), acceptance_factor=1.3 * 1.3))
     assert [r.signal for r in later] == ["acceptance"]
 
 
 def test_without_a_reference_period_rereference_changes_nothing() -> None:
     rng = np.random.default_rng(4)
     detector = fresh(reference_s=0.0)
-    reports = feed(detector, rng, range(0, 50), acceptance_factor=1.3)
+    reports = window(feed(detector, rng, range(0, 50), acceptance_factor=1.3))
     assert reports and detector.state is DriftState.STALE
     detector.rereference(50.0)
     assert detector.state is DriftState.STALE and detector.since_s == 0.0

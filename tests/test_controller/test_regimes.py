@@ -107,6 +107,10 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
     # recalled from the newest seconds (`DriftConfig.fast_window_s`), not the minute's mean
     assert recalls[0] - 300 < 15 and recalls[1] - 450 < 15, decisions
+    # ... while new traffic waits for the window: measured early, it is measured young
+    before = {d.t_s: d for d in decisions if d.what == "stale"}
+    assert "fast" not in before[reprofiles[0]].fields, decisions
+    assert any(before[t].fields.get("fast") for t in recalls), decisions
     # a recalled table came from a whole sweep: only the periodic refits' gate may swap it
     follow_ups = [d.t_s for d in decisions
                   if d.what == "refit" and d.fields["reason"] == "follow_up"]

@@ -58,8 +58,7 @@ class DriftState(enum.Enum):
     """Learning this table's misfit against its own prediction."""
     WATCHING = "watching"
     STALE = "stale"
-    """Reported; quiet until a new table or `renotify_s` passes (but for a fast report of a
-    switch after the one reported)."""
+    """Reported; quiet until a new table or `renotify_s` passes (but for fast hints)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,9 +242,6 @@ class DriftDetector:
         self._fit_chunks = 0
         self._referenced = False
         """The active table's reference was learned (a coverage report can cut it short)."""
-        self._reported_acc = 0.0
-        """The acceptance level the last report read (`_recent_level`): in the quiet spell
-        after it, a fast report is of a switch away from that level, not the same drift."""
         self._open: tuple[int, float, NDArray[np.float64]] | None = None
         """(chunk index, newest step time, summed stats) of the chunk still filling."""
 
@@ -381,10 +377,11 @@ class DriftDetector:
             self._window.popleft()
         if self.state is DriftState.STALE:
             if now_s - self._reported_s < cfg.renotify_s:
-                # quiet on the drift reported, but a switch after it is another one: a
-                # table kept after acceptance fell 12% ran a return to GSM8K for 40 s
-                return (self._fast_check(now_s, self._reported_acc) if self._referenced
-                        else None)
+                # quiet, but still hinting: a drift reported while the batch turned over
+                # matched no regime, and its traffic may match one seconds later (twin,
+                # n-gram return to GSM8K: reported 10 s in, recallable 5 s after); a
+                # table kept after acceptance fell 12% ran such a return for 40 s
+                return self._fast_check(now_s) if self._referenced else None
             if not self._referenced:  # a coverage report cut its reference short
                 self._learn_reference(now_s)
                 return None
@@ -393,7 +390,6 @@ class DriftDetector:
         if report is not None and not report.fast:
             self.state = DriftState.STALE
             self._reported_s = now_s
-            self._reported_acc = self._recent_level("acceptance")
         return report
 
     # ---- internals ------------------------------------------------------------------------
@@ -528,11 +524,11 @@ class DriftDetector:
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
                 return self._report(signal, z, steps)
-        return self._fast_check(now_s, self._ref_acc)
+        return self._fast_check(now_s)
 
-    def _fast_check(self, now_s: float, level: float) -> DriftReport | None:
-        """Acceptance over the newest `fast_window_s` alone against `level` (the
-        reference's, or in a quiet spell the level reported), at `fast_factor` thresholds.
+    def _fast_check(self, now_s: float) -> DriftReport | None:
+        """Acceptance over the newest `fast_window_s` alone against the reference's, at
+        `fast_factor` thresholds.
         Its error is at least the reference's wander over as many chunks (its chunk spread
         is this table's closed loop at rest): ten chunks of a few requests that run high
         together would otherwise read as a tight mean. Silent where the load moved
@@ -557,7 +553,7 @@ class DriftDetector:
         threshold = cfg.acceptance_threshold
         strict = self._bar("acceptance", threshold, now_s) > math.log1p(threshold)
         factor = max(cfg.fast_factor, cfg.after_sweep_factor if strict else 1.0)
-        shift = abs(self._means(stats)[1] - level)
+        shift = abs(self._means(stats)[1] - self._ref_acc)
         if shift >= math.log1p(factor * threshold) and se > 0 and shift / se >= cfg.z:
             return self._report("acceptance", shift / se, int(stats[7]), fast=True)
         return None

@@ -105,8 +105,9 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     recalls = [d.t_s for d in decisions if d.what == "recall"]
     assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
     assert len(recalls) == 2 and 300 < recalls[0] < 450 < recalls[1] < 600, decisions
-    # recalled from the newest seconds (`DriftConfig.fast_window_s`), not the minute's mean
-    assert recalls[0] - 300 < 15 and recalls[1] - 450 < 15, decisions
+    # recalled from the newest seconds (`DriftConfig.fast_window_s`), not the minute's
+    # mean (35 s in without them), once their hints held (`loop.HINT_HOLD_S`)
+    assert recalls[0] - 300 < 20 and recalls[1] - 450 < 20, decisions
     # ... while new traffic waits for the window: measured early, it is measured young
     before = {d.t_s: d for d in decisions if d.what == "stale"}
     assert "fast" not in before[reprofiles[0]].fields, decisions
@@ -115,3 +116,29 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     follow_ups = [d.t_s for d in decisions
                   if d.what == "refit" and d.fields["reason"] == "follow_up"]
     assert follow_ups and all(t < recalls[0] for t in follow_ups), decisions
+
+
+def test_a_visit_of_a_few_seconds_recalls_nothing() -> None:
+    """n-gram at 32 users: chat, code, 8 s of chat, code again. The visit moves the newest
+    ten seconds' acceptance by two thresholds, for less than `loop.HINT_HOLD_S`: no
+    recall of chat's table, and so no re-profile to undo it."""
+    def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int,
+              duration_s: float) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=duration_s, concurrency=32,
+                           acceptance=acceptance, prompt_len=prompt, output_len=output)
+
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
+                        drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5),
+                        phases=(phase("chat", NGRAM_POOR_CHAT, 355, 728, 150),
+                                phase("code", NGRAM_CODE, 171, 262, 150),
+                                phase("visit", NGRAM_POOR_CHAT, 355, 728, 8),
+                                phase("code-again", NGRAM_CODE, 171, 262, 100)))
+    policy = TabletunePolicy()
+    try:
+        run_scenario(scenario, policy)
+    finally:
+        policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    assert not [d for d in decisions if d.t_s > 300 and d.what in ("recall", "reprofile")], \
+        decisions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from controller.fleet.decisions import Decision
 from controller.fleet.regimes import Regime, RegimeMemory, Signature
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
 from twin.config import DrafterConfig
@@ -81,26 +82,33 @@ def test_traffic_measured_again_keeps_the_k_values_it_was_read_at_before() -> No
     assert recalled is kept
 
 
-def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
-    """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
-    re-profile; each return is recalled from the sweep that measured it, seconds after the
-    switch: its last 20 s then sign half the old traffic and match nothing, its last 10 or
-    5 s match (`regimes.SIGNATURE_S`)."""
-    def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int) -> PhaseConfig:
-        return PhaseConfig(name=name, duration_s=150, concurrency=32, acceptance=acceptance,
-                           prompt_len=prompt, output_len=output)
+def _phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int,
+           duration_s: float = 150) -> PhaseConfig:
+    return PhaseConfig(name=name, duration_s=duration_s, concurrency=32, acceptance=acceptance,
+                       prompt_len=prompt, output_len=output)
 
-    chat, code = phase("chat", NGRAM_POOR_CHAT, 355, 728), phase("code", NGRAM_CODE, 171, 262)
+
+def _decisions(*phases: PhaseConfig) -> list[Decision]:
+    """The loop's decisions over n-gram traffic at 32 users through `phases`."""
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
                         drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5),
-                        phases=(chat, code, chat, code))
+                        phases=phases)
     policy = TabletunePolicy()
     try:
         run_scenario(scenario, policy)
     finally:
         policy.close()
     assert policy.loop is not None
-    decisions = policy.loop.decisions
+    return policy.loop.decisions
+
+
+def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
+    """n-gram at 32 users, chat, code, chat, code: the first code phase is new and takes a
+    re-profile; each return is recalled from the sweep that measured it, seconds after the
+    switch: its last 20 s then sign half the old traffic and match nothing, its last 10 or
+    5 s match (`regimes.SIGNATURE_S`)."""
+    chat, code = _phase("chat", NGRAM_POOR_CHAT, 355, 728), _phase("code", NGRAM_CODE, 171, 262)
+    decisions = _decisions(chat, code, chat, code)
     reprofiles = [d.t_s for d in decisions if d.what == "reprofile"]
     recalls = [d.t_s for d in decisions if d.what == "recall"]
     assert len(reprofiles) == 1 and 150 < reprofiles[0] < 300, decisions
@@ -122,23 +130,9 @@ def test_a_visit_of_a_few_seconds_recalls_nothing() -> None:
     """n-gram at 32 users: chat, code, 8 s of chat, code again. The visit moves the newest
     ten seconds' acceptance by two thresholds, for less than `loop.HINT_HOLD_S`: no
     recall of chat's table, and so no re-profile to undo it."""
-    def phase(name: str, acceptance: tuple[float, ...], prompt: int, output: int,
-              duration_s: float) -> PhaseConfig:
-        return PhaseConfig(name=name, duration_s=duration_s, concurrency=32,
-                           acceptance=acceptance, prompt_len=prompt, output_len=output)
-
-    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=128),
-                        drafter=DrafterConfig(method="ngram", ngram_match_prob=0.5),
-                        phases=(phase("chat", NGRAM_POOR_CHAT, 355, 728, 150),
-                                phase("code", NGRAM_CODE, 171, 262, 150),
-                                phase("visit", NGRAM_POOR_CHAT, 355, 728, 8),
-                                phase("code-again", NGRAM_CODE, 171, 262, 100)))
-    policy = TabletunePolicy()
-    try:
-        run_scenario(scenario, policy)
-    finally:
-        policy.close()
-    assert policy.loop is not None
-    decisions = policy.loop.decisions
+    decisions = _decisions(_phase("chat", NGRAM_POOR_CHAT, 355, 728),
+                           _phase("code", NGRAM_CODE, 171, 262),
+                           _phase("visit", NGRAM_POOR_CHAT, 355, 728, duration_s=8),
+                           _phase("code-again", NGRAM_CODE, 171, 262, duration_s=100))
     assert not [d for d in decisions if d.t_s > 300 and d.what in ("recall", "reprofile")], \
         decisions

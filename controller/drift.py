@@ -26,7 +26,8 @@ A signal fires when, over the sliding window, its magnitude passes its threshold
 z-score passes `z`: magnitude keeps model misfit from firing, z keeps noise from firing.
 Acceptance is also read over the newest seconds alone, at a higher bar: such a report is
 `fast`, a hint that a workload switched (soon enough to recall a regime seen before) which
-leaves the detector watching; the window's report follows once the switch passes its bar.
+leaves the detector's state as it is; the window reports the drift once it passes the bar
+there (in a quiet spell, once `renotify_s` is over).
 The fitter's own misfit is learned per table as a reference over the first `reference_s`
 of the watch, so a fit that is 3% off everywhere is not "drift" - a change after it is.
 A reference that misses by more than a drift is reported at once, if the miss stands out
@@ -130,7 +131,7 @@ class DriftConfig:
     thresholds: a switch of workload shows in full within seconds, where the minute's mean
     takes half a minute to reach the bar (twin, n-gram at 32 users: per second +40-50%
     acceptance 4 s after the switch, the minute's mean at the bar 31 s after it). Such a
-    report is `fast` and leaves the detector watching: it is soon enough to recall a regime
+    report is `fast` and leaves the detector's state as it is: soon enough to recall a regime
     seen before, too soon to measure a new one (its requests are young; n-gram acceptance
     grows with their output). Acceptance only: a latency shift says nothing of which
     traffic runs. 0 = off; at least four `chunk_s` chunks otherwise."""
@@ -139,9 +140,10 @@ class DriftConfig:
     factor's, if larger): ten seconds of a closed loop wander more than a minute does, so
     only a shift twice the size of a drift is one there ..."""
     fast_load_factor: float = 1.5
-    """... and their mean batch size must lie within this factor of the window's: a load
-    that moves is a batch still draining, whose survivors accept and cost what neither
-    regime does (twin, EAGLE 128 -> 16 users: read 18 s after the drop, 37% under)."""
+    """... and their mean batch size must lie within this factor of the reference's and the
+    window's: a load that moves is a batch still draining, whose survivors accept and cost
+    what neither regime does (twin, EAGLE 128 -> 16 users: read 18 s after the drop, 37%
+    under)."""
     chunk_s: float = 1.0
     """Standard errors come from the means of chunks this many seconds of telemetry time
     long, however the records arrived: a service that falls behind gets them in larger
@@ -329,7 +331,7 @@ class DriftDetector:
 
     def observe(self, steps: StepColumns) -> DriftReport | None:
         """Add records; a report when the active table has just gone stale (or a `fast` hint
-        that a workload switched; a window's report wins within one call). A chunk of
+        that acceptance moved; a window's report wins within one call). A chunk of
         `chunk_s` is tested once a step of a later chunk arrives (late steps of an earlier
         one join the chunk still filling)."""
         if self._latency is None or len(steps) == 0:
@@ -379,7 +381,7 @@ class DriftDetector:
             if now_s - self._reported_s < cfg.renotify_s:
                 # quiet, but still hinting: a drift reported while the batch turned over
                 # matched no regime, and its traffic may match one seconds later (twin,
-                # n-gram return to GSM8K: reported 10 s in, recallable 5 s after); a
+                # n-gram return to GSM8K: reported 10 s in, matched by the hints after); a
                 # table kept after acceptance fell 12% ran such a return for 40 s
                 return self._fast_check(now_s) if self._referenced else None
             if not self._referenced:  # a coverage report cut its reference short

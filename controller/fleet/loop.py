@@ -117,10 +117,15 @@ enough that a burst of arrivals is not a load, short beside a phase of traffic."
 UNMEASURED_MIN_STEPS = 20
 """... and over at least this many steps (a slow engine's 5 s at 16 requests hold 25)."""
 HINT_HOLD_S = 5.0
-"""The drift detector's fast hints (`DriftReport.fast`) recall only once they have come at
-every tick for this long: a switch holds, a wander passes. Twin, chat-code-chat n-gram at
-48 users, seed 56: code's acceptance fell 28% over ten seconds, hinted for 3 s, and the
-first hint recalled chat's table (23 s of K2 in code, 1.7% of the phase)."""
+"""The drift detector's fast hints (`DriftReport.fast`) recall a regime only once the newest
+steps matched that regime at every hint for this long (telemetry time): a switch holds, a
+wander passes. Twin, chat-code-chat n-gram at 48 users, seed 56: code's acceptance fell 28%
+over ten seconds, hinted for 3 s, and the first hint recalled chat's table (23 s of K2 in
+code, 1.7% of the phase). Held on the match, not the hint: hints of a drift already
+reported go on in its quiet spell, and a visit after them must hold on its own ..."""
+HINT_GAP_S = 2.0
+"""... and a run of matches breaks where no hint matched it for this long: the detector
+tests a chunk a second, a tick may close none, and a pin or a sweep stops the watch."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -199,8 +204,8 @@ class ClosedLoop:
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         self._unmeasured_version = -1
         """The table version whose load the loop last found unmeasured (`_unmeasured_load`)."""
-        self._hinted_since_s: float | None = None
-        """When the drift detector's current run of fast hints began (None: no run)."""
+        self._hint_run: tuple[Regime, float, float] | None = None
+        """The regime fast hints have matched in a row, since and until when (None: none)."""
         self._resumed_report: DriftReport | None = None
         """What the steps before a resumed loop started said of its table: acted on at the
         first tick, once live steps name the engines (`_resume_watch`)."""
@@ -397,26 +402,30 @@ class ClosedLoop:
         resumed, self._resumed_report = self._resumed_report, None
         if resumed is not None and resumed.version != self.drift.version:
             resumed = None  # said of a table the fleet no longer runs (a roll-back's too)
-        hinted = any(r is not None and r.fast for r in (resumed, observed))
-        if not hinted:
-            self._hinted_since_s = None
-        elif self._hinted_since_s is None:
-            self._hinted_since_s = now_s
         for report in (resumed, observed):
             if report is None:
                 continue
-            match = None
-            if report.fast:
-                held = now_s - (self._hinted_since_s or now_s) >= HINT_HOLD_S
-                if held and self.config.reprofile_on_stale:
-                    match = self._match(report.version, now_s)
-                if match is None:
-                    continue  # too soon to measure a new regime: the minute's window decides
+            match = self._held_match(report, now_s) if report.fast else None
+            if report.fast and match is None:
+                continue  # no regime held (new traffic waits for the minute's window)
             self._stale(report, now_s, match=match)
             return
         report = self._unmeasured_load(now_s)
         if report is not None:
             self._stale(report, now_s)
+
+    def _held_match(self, hint: DriftReport, now_s: float) -> tuple[Regime, Signature] | None:
+        """The regime a fast hint's newest steps match, once they matched it at every hint
+        for `HINT_HOLD_S` (`HINT_GAP_S` apart at most); None before, or where none does."""
+        match = self._match(hint.version, now_s) if self.config.reprofile_on_stale else None
+        if match is None:
+            self._hint_run = None
+            return None
+        run = self._hint_run
+        if run is None or run[0] is not match[0] or now_s - run[2] > HINT_GAP_S:
+            run = (match[0], now_s, now_s)
+        self._hint_run = (run[0], run[1], now_s)
+        return match if now_s - run[1] >= HINT_HOLD_S else None
 
     def _stale(self, report: DriftReport, now_s: float, *,
                match: tuple[Regime, Signature] | None = None) -> None:

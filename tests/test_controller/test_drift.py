@@ -322,10 +322,11 @@ def test_ten_seconds_of_a_small_batchs_wander_is_not_a_switch() -> None:
     assert detector.observe(wandering(rng, range(30, 150), swing=0.35, run_s=10)) is None
 
 
-def test_in_the_quiet_spell_a_switch_is_still_hinted() -> None:
+def test_in_the_quiet_spell_the_hints_go_on() -> None:
     """Reported while the batch turned over, a switch may match no regime yet: in the
-    report's quiet spell the hints go on (a loop recalls once the newest steps match),
-    and the detector stays stale; ten seconds back at the reference hint nothing."""
+    report's quiet spell the drift is still hinted (a loop recalls once the newest steps
+    match one), and the detector stays stale; ten seconds back at the reference hint
+    nothing."""
     rng = np.random.default_rng(13)
     detector = fresh()
     feed(detector, rng, range(0, 100))

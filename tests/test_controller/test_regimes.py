@@ -132,22 +132,20 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
 
 def test_a_visit_of_a_few_seconds_recalls_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """n-gram at 32 users: chat, code, 8 s of chat, code again. The visit moves the newest
-    ten seconds' acceptance by two thresholds, and its steps match chat's regime, for less
-    than `loop.HINT_HOLD_S`: no recall of chat's table, and so no re-profile to undo it."""
-    matched: list[float] = []
-    match = ClosedLoop._match
+    ten seconds' acceptance by two thresholds, and the drift detector hints, for less than
+    `loop.HINT_HOLD_S`: no recall of chat's table, and so no re-profile to undo it."""
+    hinted: list[float] = []
+    held_match = ClosedLoop._held_match
 
-    def spied(loop: ClosedLoop, version: int, now_s: float) -> Any:
-        found = match(loop, version, now_s)
-        if found is not None:
-            matched.append(now_s)
-        return found
+    def spied(loop: ClosedLoop, hint: Any, now_s: float) -> Any:
+        hinted.append(now_s)
+        return held_match(loop, hint, now_s)
 
-    monkeypatch.setattr(ClosedLoop, "_match", spied)
+    monkeypatch.setattr(ClosedLoop, "_held_match", spied)
     decisions = _decisions(_phase("chat", NGRAM_POOR_CHAT, 355, 728),
                            _phase("code", NGRAM_CODE, 171, 262),
                            _phase("visit", NGRAM_POOR_CHAT, 355, 728, duration_s=8),
                            _phase("code-again", NGRAM_CODE, 171, 262, duration_s=100))
-    assert [t for t in matched if t > 300], "the visit's hints never matched chat: no test"
+    assert [t for t in hinted if t > 300], "the visit was never hinted: no test"
     assert not [d for d in decisions if d.t_s > 300 and d.what in ("recall", "reprofile")], \
         decisions

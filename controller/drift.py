@@ -151,14 +151,15 @@ class DriftConfig:
     in-memory ticks are 1 s)."""
 
     def __post_init__(self) -> None:
+        # chunk_s before fast_window_s: the latter's bound is read in chunks.
         check_bounds(self, window_s=above(0), reference_s=at_least(0), min_steps=at_least(2),
+                     chunk_s=in_range(0, self.window_s / 4, low_open=True).because(
+                         "a quarter of window_s at most"),
                      fast_window_s=Bound(
                          "0 (off), or 4 x chunk_s to window_s (it tests at least 4 chunks)",
                          lambda value: not (value == 0 or 4 * self.chunk_s <= value
                                             <= self.window_s)),
-                     fast_factor=at_least(1), fast_load_factor=above(1),
-                     chunk_s=in_range(0, self.window_s / 4, low_open=True).because(
-                         "a quarter of window_s at most"))
+                     fast_factor=at_least(1), fast_load_factor=above(1))
 
 
 @dataclass(frozen=True, slots=True)

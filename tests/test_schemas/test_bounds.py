@@ -65,6 +65,7 @@ def test_the_error_names_the_config_field_value_and_bound():
     (lambda: LoopConfig(force_grace_s=3595), "LoopConfig.force_grace_s=3595 must be <= 3594"),
     (lambda: DriftConfig(window_s=-1), "DriftConfig.window_s=-1 must be > 0"),
     (lambda: DriftConfig(chunk_s=20), "DriftConfig.chunk_s=20 must be in (0, 15]"),
+    (lambda: DriftConfig(fast_window_s=2), "DriftConfig.fast_window_s=2 must be 0 (off), or 4"),
     (lambda: DriftConfig(min_steps=1), "DriftConfig.min_steps=1 must be >= 2"),
     (lambda: GuardrailConfig(z=0), "GuardrailConfig.z=0 must be > 0"),
     (lambda: GuardrailConfig(threshold=1), "GuardrailConfig.threshold=1 must be in (0, 1)"),

@@ -384,7 +384,7 @@ class DriftDetector:
                 # matched no regime, and its traffic may match one seconds later (twin,
                 # n-gram return to GSM8K: reported 10 s in, matched by the hints after); a
                 # table kept after acceptance fell 12% ran such a return for 40 s
-                return self._fast_check(now_s) if self._referenced else None
+                return self._fast_check(now_s, self._window_stats()) if self._referenced else None
             if not self._referenced:  # a coverage report cut its reference short
                 self._learn_reference(now_s)
                 return None
@@ -527,11 +527,15 @@ class DriftDetector:
         for signal, shift, z, threshold in candidates:
             if abs(shift) >= self._bar(signal, threshold, now_s) and z >= cfg.z:
                 return self._report(signal, z, steps)
-        return self._fast_check(now_s)
+        return self._fast_check(now_s, stats)
 
-    def _fast_check(self, now_s: float) -> DriftReport | None:
+    def _window_stats(self) -> NDArray[np.float64]:
+        """The window's chunks, summed."""
+        return np.array([entry[1] for entry in self._window]).sum(axis=0)
+
+    def _fast_check(self, now_s: float, window: NDArray[np.float64]) -> DriftReport | None:
         """Acceptance over the newest `fast_window_s` alone against the reference's, at
-        `fast_factor` thresholds.
+        `fast_factor` thresholds (`window`: the window's summed stats, for its load).
         Its error is at least the reference's wander over as many chunks (its chunk spread
         is this table's closed loop at rest): ten chunks of a few requests that run high
         together would otherwise read as a tight mean. Silent where the load moved
@@ -544,7 +548,6 @@ class DriftDetector:
         if len(recent) < 4:
             return None
         stats = recent.sum(axis=0)
-        window = np.array([entry[1] for entry in self._window]).sum(axis=0)
         if not all(self._load_near(stats, other) for other in (self._ref_stats, window)):
             return None
         usable = recent[recent[:, 3] > 0]

@@ -110,6 +110,10 @@ def _operator_settings(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--refit-s", type=POSITIVE, default=loop.refit_interval_s,
                        help="telemetry seconds between periodic refits (default "
                        f"{loop.refit_interval_s:g})")
+    group.add_argument("--refit-spacing", type=number(1), default=loop.refit_spacing,
+                       help="a periodic refit that publishes nothing doubles the wait for "
+                       "the next, up to this many --refit-s; a new table or a drift brings "
+                       f"it back to one (1 = never; default {loop.refit_spacing:g})")
     group.add_argument("--reprofile-on-stale", action=argparse.BooleanOptionalAction,
                        default=loop.reprofile_on_stale,
                        help="after a drift, re-profile a canary share of the engines (a "

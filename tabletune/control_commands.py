@@ -83,7 +83,8 @@ def loop_config_of(args: argparse.Namespace) -> LoopConfig:
     `LoopConfig()`."""
     loop = LoopConfig()
     return replace(
-        loop, refit_interval_s=args.refit_s, reprofile_on_stale=args.reprofile_on_stale,
+        loop, refit_interval_s=args.refit_s, refit_spacing=args.refit_spacing,
+        reprofile_on_stale=args.reprofile_on_stale,
         canary_share=args.canary_share, force_grace_s=args.force_grace_s,
         engine_idle_s=args.engine_idle_s, budgets=args.budgets,
         guardrail=replace(loop.guardrail, threshold=args.guardrail_threshold),

@@ -19,6 +19,11 @@ class LoopConfig:
     # ---- what an operator sets ----
     refit_interval_s: float = 30.0
     """Telemetry seconds between periodic refits."""
+    refit_spacing: float = 8.0
+    """Each periodic refit that publishes nothing doubles the wait for the next, up to this
+    many `refit_interval_s` (1 = never; a new table or a drift brings it back to one): a
+    settled key's refits find nothing, and on a server's own cores their CPU is the
+    server's."""
     reprofile_on_stale: bool = True
     """Re-profile a canary after `stale` (off: only refit the passive window)."""
     canary_share: float = 0.25
@@ -96,7 +101,7 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check_bounds(
             self,
-            refit_interval_s=positive(), canary_share=in_range(0, 1, low_open=True),
+            refit_interval_s=positive(), refit_spacing=at_least(1), canary_share=in_range(0, 1, low_open=True),
             force_grace_s=positive(), engine_idle_s=positive(),
             profile_block_s=positive(), profile_rounds=at_least(1),
             reprofile_settle_s=at_least(0), reprofile_block_s=positive(),

@@ -559,3 +559,35 @@ def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> N
     assert reprofiles[0].fields["probe_s"] == config.probe_block_s
     assert all(d.fields["probe_k"] == [] and d.fields["probe_s"] == 0
                for d in reprofiles[1:]), reprofiles
+
+
+def test_periodic_refits_that_find_nothing_space_out_until_a_drift() -> None:
+    """A settled key's periodic refits publish nothing: each waits twice as long as the last,
+    up to `refit_spacing` intervals. The load's jump is a drift, and once its table is out
+    the refits come every `refit_interval_s` again."""
+    scenario = Scenario(seed=5, engine=EngineConfig(max_num_seqs=128), phases=(
+        PhaseConfig(name="c16", duration_s=400, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=400),
+        PhaseConfig(name="c96", duration_s=200, concurrency=96, acceptance=EAGLE,
+                    prompt_len=355, output_len=400)))
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    config, decisions = policy.loop.config, policy.loop.decisions
+    staged = {d.t_s for d in decisions if d.what == "stage"}
+    refits = [d for d in decisions if d.what == "refit"]
+    settled = [d.t_s for d in refits if d.t_s < 400.0]
+    assert len(settled) >= 4 and not staged & set(settled[1:]), refits
+    gaps = np.diff(settled[1:])  # after the profile's table, every refit held
+    tick_s = 1.5
+    for before, after in zip(gaps[:-1], gaps[1:], strict=True):
+        assert after >= min(2 * before, config.refit_spacing * config.refit_interval_s) - tick_s
+    assert gaps[-1] >= 4 * config.refit_interval_s - tick_s, gaps
+    stale = next(d.t_s for d in decisions if d.what == "stale")
+    later = [d.t_s for d in refits if d.t_s > stale]
+    assert len(later) >= 4 and later[0] in staged, refits
+    # the re-profile's table, its follow-up, then periodic refits one interval after that
+    # and two after the next: spaced out from the start again
+    assert later[2] - later[1] <= config.refit_interval_s + tick_s, refits
+    assert later[3] - later[2] <= 2 * config.refit_interval_s + tick_s, refits

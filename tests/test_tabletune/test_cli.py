@@ -86,7 +86,7 @@ def test_console_script_help_runs():
     assert "TABLETUNE_BOOTSTRAP" in out
 
 
-CONTROL_FLAGS = ("--refit-s", "--reprofile-on-stale", "--no-reprofile-on-stale",
+CONTROL_FLAGS = ("--refit-s", "--refit-spacing", "--reprofile-on-stale", "--no-reprofile-on-stale",
                  "--canary-share", "--force-grace-s", "--engine-idle-s",
                  "--guardrail-threshold", "--drift-acceptance-threshold")
 
@@ -105,11 +105,11 @@ def test_control_without_flags_builds_the_default_loop_config():
 
 def test_control_flags_reach_the_loop_config():
     args = build_parser().parse_args([
-        "control", "--refit-s", "45", "--no-reprofile-on-stale", "--canary-share", "0.5",
+        "control", "--refit-s", "45", "--refit-spacing", "4", "--no-reprofile-on-stale", "--canary-share", "0.5",
         "--force-grace-s", "20", "--engine-idle-s", "15", "--guardrail-threshold", "0.05",
         "--drift-acceptance-threshold", "0.2", "--no-budgets"])
     config = loop_config_of(args)
-    assert config.budgets is False
+    assert config.budgets is False and config.refit_spacing == 4.0
     assert (config.refit_interval_s, config.reprofile_on_stale, config.canary_share,
             config.force_grace_s, config.engine_idle_s) == (45.0, False, 0.5, 20.0, 15.0)
     assert config.guardrail.threshold == 0.05 and config.drift.acceptance_threshold == 0.2

@@ -85,6 +85,7 @@ USAGE = [  # (argv, what the error line must say)
     (["control", "--canary-share", "5"], "--canary-share: must be a number in (0, 1]"),
     (["control", "--lookback-s", "-5"], "--lookback-s"),
     (["control", "--refit-s", "0"], "--refit-s: must be a number > 0"),
+    (["control", "--refit-spacing", "0.5"], "--refit-spacing: must be a number >= 1"),
     (["control", "--force-grace-s", "3595"], "--force-grace-s: must be a number in (0, 3594]"),
     (["control", "--engine-idle-s", "-1"], "--engine-idle-s: must be a number > 0"),
     (["control", "--guardrail-threshold", "1"],

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kafka.partitioner.default import murmur2
 
 from controller.fleet.ownership_config import SLOTS
@@ -87,10 +86,16 @@ class Replica:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Replica:
+        self.launch()
+        return self.ready()
+
+    def launch(self) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tabletune.cli", "--verbose", "control", "--duration-s",
              "300", *self.args], env=self.env, stdout=subprocess.DEVNULL,
             stderr=open(self.log_path, "w"))
+
+    def ready(self) -> Replica:
         assert wait_for(lambda: "ready:" in self.log(), 90), self.log()
         return self
 
@@ -120,13 +125,36 @@ class Replica:
         self.process.wait(timeout=10)
 
     def stop(self) -> None:
+        self.terminate()
+        self.join()
+
+    def terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.signal(signal.SIGCONT)  # a stopped process cannot act on a SIGTERM
             self.signal(signal.SIGTERM)
+
+    def join(self) -> None:
+        if self.process is not None:
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def start_all(replicas: list[Replica]) -> None:
+    """Every replica launched at once, then each waited for: their start-ups overlap."""
+    for replica in replicas:
+        replica.launch()
+    for replica in replicas:
+        replica.ready()
+
+
+def stop_all(replicas: list[Replica]) -> None:
+    """Every replica sent SIGTERM at once, then each waited for."""
+    for replica in replicas:
+        replica.terminate()
+    for replica in replicas:
+        replica.join()
 
 
 def tables_log(settings: Settings) -> list[TableEnvelope | TableControl]:
@@ -208,27 +236,25 @@ def settled(replicas: list[Replica]) -> bool:
         and all(share for _, share in states)
 
 
-@pytest.mark.parametrize("count", [2, 3])
 def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp_path,
-                                                             unique_name, count):
+                                                             unique_name):
     settings = topic_settings
-    keys = keys_in_slots([0, 1, 2])  # spread over 2 replicas (0, 2 | 1) and 3 (one each)
+    count = 3
+    keys = keys_in_slots([0, 1, 2, 3])  # one replica serves two (slots 0 and 3)
     replicas = [Replica(settings, tmp_path / f"control-{i}.log", unique_name)
                 for i in range(count)]
     try:
-        for replica in replicas:
-            replica.start()
+        start_all(replicas)
         assert wait_for(lambda: settled(replicas), 60), [r.log() for r in replicas]
-        fleets = [fleet_for(key, engines, settings, duration_s=240.0)
-                  for key, engines in zip(keys, (2, 1, 1), strict=True)]
+        fleets = [fleet_for(key, engines, settings, duration_s=160.0)
+                  for key, engines in zip(keys, (2, 1, 1, 1), strict=True)]
         for fleet in fleets:
             fleet.start()
         for fleet in fleets:
             fleet.join()
         served = tables_log(settings)  # before the stops move keys to the last replicas
     finally:
-        for replica in replicas:
-            replica.stop()
+        stop_all(replicas)
     log = tables_log(settings)
     assert one_writer(log) == [], "\n".join(one_writer(log))
     owners = {}
@@ -263,8 +289,7 @@ def two_replicas_serving_two_keys(settings: Settings, tmp_path: Path, group: str
     replicas = [Replica(settings, tmp_path / f"control-{i}.log", group,
                         session_s=SHORT_SESSION_S) for i in range(2)]
     try:
-        for replica in replicas:
-            replica.start()
+        start_all(replicas)
         assert wait_for(lambda: settled(replicas), 60), [r.log() for r in replicas]
         fleets = [fleet_for(key, 1, settings, duration_s=fleet_wall_s * SPEEDUP)
                   for key in keys]
@@ -272,8 +297,7 @@ def two_replicas_serving_two_keys(settings: Settings, tmp_path: Path, group: str
             fleet.start()
         yield replicas, fleets, keys
     finally:
-        for replica in replicas:
-            replica.stop()
+        stop_all(replicas)
 
 
 def test_a_killed_owners_keys_are_served_by_another_within_30_s(topic_settings, tmp_path,
@@ -384,8 +408,7 @@ def test_every_replica_restarted_at_once_hands_each_key_on_from_the_topic(
         successors = [Replica(settings, tmp_path / f"successor-{i}.log", unique_name,
                               session_s=SHORT_SESSION_S) for i in range(2)]
         replicas.extend(successors)  # stopped on the way out with the others
-        for successor in successors:
-            successor.start()
+        start_all(successors)
         ids = {s.issued_by for s in successors}
 
         def handed_on() -> bool:

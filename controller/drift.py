@@ -384,7 +384,9 @@ class DriftDetector:
                 # matched no regime, and its traffic may match one seconds later (twin,
                 # n-gram return to GSM8K: reported 10 s in, matched by the hints after); a
                 # table kept after acceptance fell 12% ran such a return for 40 s
-                return self._fast_check(now_s, self._window_stats()) if self._referenced else None
+                if not self._referenced:
+                    return None
+                return self._fast_check(now_s, self._window_stats())
             if not self._referenced:  # a coverage report cut its reference short
                 self._learn_reference(now_s)
                 return None

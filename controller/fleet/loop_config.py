@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from controller.drift import DriftConfig
@@ -20,10 +21,10 @@ class LoopConfig:
     refit_interval_s: float = 30.0
     """Telemetry seconds between periodic refits."""
     refit_spacing: float = 8.0
-    """Each periodic refit that publishes nothing doubles the wait for the next, up to this
-    many `refit_interval_s` (1 = never; a new table or a drift brings it back to one): a
-    settled key's refits find nothing, and on a server's own cores their CPU is the
-    server's."""
+    """Each periodic refit that the gain gate holds, from `half_life_s` after the last
+    table, drift or roll-back, doubles the wait for the next, up to this many
+    `refit_interval_s` (1 = never): a settled key's refits find nothing, and each is a
+    whole fit. Never under a per-request budget, whose drift the refits watch."""
     reprofile_on_stale: bool = True
     """Re-profile a canary after `stale` (off: only refit the passive window)."""
     canary_share: float = 0.25
@@ -101,7 +102,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check_bounds(
             self,
-            refit_interval_s=positive(), refit_spacing=at_least(1),
+            refit_interval_s=positive(),
+            refit_spacing=in_range(1, math.inf, high_open=True),
             canary_share=in_range(0, 1, low_open=True),
             force_grace_s=positive(), engine_idle_s=positive(),
             profile_block_s=positive(), profile_rounds=at_least(1),

@@ -71,7 +71,7 @@ def measured_load(envelope: TableEnvelope | None) -> float | None:
 
 def running_unmeasured(running: TableEnvelope | None,
                        batch_sizes: NDArray[np.int64]) -> bool:
-    """Whether most of `batch_sizes` (the steps since the last refit: the load now, not
+    """Whether most of `batch_sizes` (the last refit interval's steps: the load now, not
     the window's) ran past the largest load the running table's fit measured
     (`measured_load`): there its K is a guess, not a measurement, and keeping it is no
     safer than a refit that measured the load."""

@@ -561,33 +561,42 @@ def test_a_one_engine_key_whose_drift_keeps_firing_refits_without_forcing() -> N
                for d in reprofiles[1:]), reprofiles
 
 
+TICK_S = 1.5
+"""Slack on a refit's time: the twin's loop ticks once a virtual second."""
+
+
 def test_periodic_refits_that_find_nothing_space_out_until_a_drift() -> None:
-    """A settled key's periodic refits publish nothing: each waits twice as long as the last,
-    up to `refit_spacing` intervals. The load's jump is a drift, and once its table is out
-    the refits come every `refit_interval_s` again."""
+    """A settled key's periodic refits publish nothing: past `half_life_s` after its table,
+    each waits twice as long as the last, up to `refit_spacing` intervals. The load's jump
+    is a drift, and once its table is out the refits come every `refit_interval_s` again."""
+    jump_s = 400.0
     scenario = Scenario(seed=5, engine=EngineConfig(max_num_seqs=128), phases=(
-        PhaseConfig(name="c16", duration_s=400, concurrency=16, acceptance=EAGLE,
+        PhaseConfig(name="c16", duration_s=jump_s, concurrency=16, acceptance=EAGLE,
                     prompt_len=355, output_len=400),
         PhaseConfig(name="c96", duration_s=200, concurrency=96, acceptance=EAGLE,
                     prompt_len=355, output_len=400)))
-    policy = TabletunePolicy()
+    config = LoopConfig(refit_spacing=4.0)
+    policy = TabletunePolicy(config)
     run_scenario(scenario, policy)
     policy.close()
-    assert policy.loop is not None
-    config, decisions = policy.loop.config, policy.loop.decisions
+    assert policy.loop is not None and config.half_life_s is not None
+    decisions = policy.loop.decisions
     staged = {d.t_s for d in decisions if d.what == "stage"}
     refits = [d for d in decisions if d.what == "refit"]
-    settled = [d.t_s for d in refits if d.t_s < 400.0]
-    assert len(settled) >= 4 and not staged & set(settled[1:]), refits
-    gaps = np.diff(settled[1:])  # after the profile's table, every refit held
-    tick_s = 1.5
-    for before, after in zip(gaps[:-1], gaps[1:], strict=True):
-        assert after >= min(2 * before, config.refit_spacing * config.refit_interval_s) - tick_s
-    assert gaps[-1] >= 4 * config.refit_interval_s - tick_s, gaps
+    settled = [d.t_s for d in refits if d.t_s < jump_s]
+    assert settled[0] in staged and not staged & set(settled[1:]), refits
+    longest = config.refit_spacing * config.refit_interval_s
+    waits = [config.refit_interval_s]  # the wait each refit set, from the table's
+    for at_s in settled[1:-1]:
+        spaced = at_s - settled[0] >= config.half_life_s
+        waits.append(min(2 * waits[-1], longest) if spaced else waits[-1])
+    gaps = np.diff(settled)
+    assert np.allclose(gaps, waits, atol=TICK_S), (gaps, waits)
+    assert list(gaps[-2:]) == pytest.approx([longest] * 2, abs=TICK_S), gaps  # capped
     stale = next(d.t_s for d in decisions if d.what == "stale")
     later = [d.t_s for d in refits if d.t_s > stale]
     assert len(later) >= 4 and later[0] in staged, refits
-    # the re-profile's table, its follow-up, then periodic refits one interval after that
+    # the re-profile's table, its follow-up, then periodic refits one interval after it
     # and two after the next: spaced out from the start again
-    assert later[2] - later[1] <= config.refit_interval_s + tick_s, refits
-    assert later[3] - later[2] <= 2 * config.refit_interval_s + tick_s, refits
+    assert later[2] - later[1] <= config.refit_interval_s + TICK_S, refits
+    assert later[3] - later[2] <= 2 * config.refit_interval_s + TICK_S, refits

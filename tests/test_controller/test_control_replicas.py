@@ -254,7 +254,8 @@ def test_replicas_share_the_keys_and_each_key_has_one_writer(topic_settings, tmp
             fleet.join()
         served = tables_log(settings)  # before the stops move keys to the last replicas
     finally:
-        stop_all(replicas)
+        for replica in replicas:  # one by one: each leaves its keys to the others, live
+            replica.stop()
     log = tables_log(settings)
     assert one_writer(log) == [], "\n".join(one_writer(log))
     owners = {}
@@ -408,7 +409,8 @@ def test_every_replica_restarted_at_once_hands_each_key_on_from_the_topic(
         successors = [Replica(settings, tmp_path / f"successor-{i}.log", unique_name,
                               session_s=SHORT_SESSION_S) for i in range(2)]
         replicas.extend(successors)  # stopped on the way out with the others
-        start_all(successors)
+        for successor in successors:  # the first claims every key, then hands one on
+            successor.start()
         ids = {s.issued_by for s in successors}
 
         def handed_on() -> bool:

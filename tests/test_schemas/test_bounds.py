@@ -84,6 +84,9 @@ def test_nan_is_refused_where_a_range_bounds_it():
         LoopConfig(refit_interval_s=NAN)
     with pytest.raises(ValueError, match="threshold"):
         GuardrailConfig(threshold=NAN)
+    for spacing in (NAN, math.inf):  # uncapped: the wait would double for good
+        with pytest.raises(ValueError, match=re.escape("refit_spacing=") + ".* must be in "):
+            LoopConfig(refit_spacing=spacing)
 
 
 def test_an_unset_half_life_means_no_recency_weighting():

@@ -727,7 +727,7 @@ class ClosedLoop:
     def _space_out_refits(self, now_s: float) -> None:
         """A periodic refit found nothing worth a swap: the next waits `REFIT_SPACING_STEP`
         times as long, up to `refit_spacing` intervals: each refit is a whole fit, and a
-        settled key's find nothing (twin EAGLE swing: 17 refits where 45 ran, the same
+        settled key's find nothing (twin EAGLE swing: 23 refits where 45 ran, the same
         tokens per second). Not within `half_life_s` of the last reset, before the steps
         since a drift or a new table weigh as much in a refit as those before it (an
         acceptance fall's settled refit comes 10 s after it, on too few steps to pass the

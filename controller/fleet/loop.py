@@ -343,10 +343,7 @@ class ClosedLoop:
             self._leave_sweep(now_s)
             self._decisions.note(now_s, What.REPROFILE_ABANDONED, reason="pinned")
         if control.action == "rollback":
-            self._cooldown_until_s = now_s + cfg.rollback_cooldown_s
-            self._follow_up_s = None
-            self._reset_refit_wait(now_s)
-            self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
+            self._cool_down(now_s)
         elif control.action == "unpin":
             self._reset_refit_wait(now_s)
             self._next_refit_s = now_s + cfg.refit_interval_s
@@ -403,10 +400,7 @@ class ClosedLoop:
             withdrawn = self.agent.state.desired_version
             self.agent.roll_back("guardrail", **evidence)
             self.publisher.roll_forward(now_s, withdrawn)
-            self._cooldown_until_s = now_s + self.config.rollback_cooldown_s
-            self._follow_up_s = None  # its bar would let the rolled-back table straight back
-            self._reset_refit_wait(now_s)
-            self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
+            self._cool_down(now_s)
             return
         if verdict is not Verdict.HOLD:
             self._decisions.note(now_s, What(verdict.value), **self.guardrail.last_evidence)
@@ -743,9 +737,18 @@ class ClosedLoop:
                                  cfg.refit_spacing * cfg.refit_interval_s)
         self._next_refit_s = now_s + self._refit_wait_s
 
+    def _cool_down(self, now_s: float) -> None:
+        """After a roll-back (the guardrail's or an operator's): no refit for
+        `rollback_cooldown_s`, then every `refit_interval_s` again, and no follow-up (its
+        bar would let the rolled-back table straight back)."""
+        self._cooldown_until_s = now_s + self.config.rollback_cooldown_s
+        self._follow_up_s = None
+        self._reset_refit_wait(now_s)
+        self._next_refit_s = max(self._next_refit_s, self._cooldown_until_s)
+
     def _reset_refit_wait(self, now_s: float) -> None:
         """A new table, a drift or a roll-back: periodic refits every `refit_interval_s`
-        again, for a fit window at least."""
+        again, for `half_life_s` at least (`_space_out_refits`)."""
         self._refit_wait_s = self.config.refit_interval_s
         self._refit_wait_since_s = now_s
 

@@ -2,7 +2,7 @@
 telemetry, at a known record rate.
 
     .venv/bin/python -m bench.control_sizing [--keys 4] [--engines-per-key 4]
-        [--speedup 10] [--duration-s 300] [--out DIR]
+        [--speedup 10] [--duration-s 300] [--idle-s 60] [--out DIR]
 
 An embedded broker, `tabletune control` as its own process (the command an operator runs),
 and one twin fleet per key (keys by hardware name), paced `speedup` times faster than real
@@ -15,12 +15,18 @@ decision's lag is how far the service's clock (the newest step of its key it had
 trailed the engines' clock when the decision appeared in the file, in wall seconds. At the
 end: records per wall second, the service's CPU seconds per wall second (its share of one
 core), fits (every `refit` and `fit_failed` decision is one fit of the fitter), and the lag.
+
+`--keys 0` runs no fleet: the service waits with nothing to serve for `--idle-s` wall
+seconds after it is ready, and its CPU share is read from /proc over that span alone (its
+start-up, imports included, left out): what its reader and its group membership cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
@@ -53,6 +59,27 @@ def key_scenario(index: int, duration_s: float) -> Scenario:
                     engine=EngineConfig(max_num_seqs=256, hardware=hardware,
                                         engine_id=f"sizing-{index}"),
                     phases=phases)
+
+
+def measure_idle(idle_s: float) -> dict[str, Any]:
+    """The service with no key, from ready on for `idle_s`: its own CPU share of a core."""
+    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as work:
+        with ControlProcess({"TABLETUNE_BOOTSTRAP": broker.bootstrap}, Path(work)) as control:
+            assert control.pid is not None
+            before, started = _cpu_s(control.pid), time.monotonic()
+            time.sleep(idle_s)
+            if control.exited():
+                raise SystemExit(f"tabletune control exited while idle:\n"
+                                 f"{control.log_path.read_text()}")
+            cpu_s, wall_s = _cpu_s(control.pid) - before, time.monotonic() - started
+    return {"keys": 0, "idle_s": round(wall_s, 1), "control_cpu_s": round(cpu_s, 2),
+            "control_core_share": round(cpu_s / wall_s, 4)}
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process `pid`, every thread (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(keys: int, engines_per_key: int, speedup: float, duration_s: float
@@ -115,6 +142,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "| fits | fits/s | lag, median / p90 / max (s) | records read / written |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
+        if row["keys"] == 0:
+            lines.append(f"| idle, {row['idle_s']:.0f} s from ready | 0 | {row['control_core_share']:.3f} "
+                         "| — | 0 | 0 | — | — |")
+            continue
         lag = row["lag_s"]
         lines.append(
             f"| {row['keys']} × {row['engines_per_key']} | {row['records_per_s']:,.0f} | "
@@ -128,16 +159,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, nargs="+", default=[4],
-                        help="keys per run (one run per value)")
+                        help="keys per run (one run per value; 0: the service idle, no fleet)")
     parser.add_argument("--engines-per-key", type=int, default=4)
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--duration-s", type=float, default=300.0,
                         help="virtual seconds per key: 16 users for half, then 64")
+    parser.add_argument("--idle-s", type=float, default=60.0,
+                        help="wall seconds of the idle run (--keys 0)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if any(keys < 0 for keys in args.keys):
+        parser.error("--keys must be >= 0")
+    if not math.isfinite(args.idle_s) or args.idle_s <= 0:
+        parser.error(f"--idle-s {args.idle_s} must be a finite number > 0")
     rows = []
     for keys in args.keys:
-        rows.append(measure(keys, args.engines_per_key, args.speedup, args.duration_s))
+        rows.append(measure_idle(args.idle_s) if keys == 0 else
+                    measure(keys, args.engines_per_key, args.speedup, args.duration_s))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     emit("control_sizing", {"runs": rows}, args.out)
     if args.out:

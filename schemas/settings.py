@@ -99,6 +99,13 @@ class TopicNames:
             if not isinstance(value, str) or not value.strip():
                 raise SettingsError(f"TABLETUNE_TOPIC_{name.upper()}={value!r}: a topic name "
                                     "must be a non-empty string")
+        names = ("telemetry", "tables", "status", "dlq", "ownership")
+        for i, name in enumerate(names):
+            for other in names[i + 1:]:
+                if getattr(self, name) == getattr(self, other):
+                    raise SettingsError(
+                        f"TABLETUNE_TOPIC_{name.upper()} and TABLETUNE_TOPIC_{other.upper()} "
+                        f"are both {getattr(self, name)!r}: each topic needs its own name")
 
 
 @dataclass(frozen=True, slots=True)

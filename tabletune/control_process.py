@@ -66,8 +66,17 @@ class ControlProcess:
                  trace: TracebackType | None) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        """The service's process id (None before the block starts it)."""
+        return None if self._process is None else self._process.pid
+
     def stop(self) -> None:
         stop_process(self._process, STOP_TIMEOUT_S)
+
+    def exited(self) -> bool:
+        """Whether the service has exited (or never started)."""
+        return self._process is None or self._process.poll() is not None
 
     def kill(self) -> None:
         """kill -9: no release of its forces, no exit summary (a crash, for failover)."""

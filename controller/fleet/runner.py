@@ -5,16 +5,20 @@ Replicas share the keys through one consumer group on the ownership topic
 each before acting for it (`controller.fleet.claims`), and stops serving one the moment
 its slot is revoked. Everything it sends carries its epoch.
 
-Three readers, none in a consumer group (the service needs every engine of every key, as
-any of them may become its own, and commits nothing; its state lives in the topics):
+One reader over three topics, in no consumer group (the service needs every engine of every
+key, as any of them may become its own, and commits nothing; its state lives in the topics):
 - the tables topic from the beginning: each key's newest version and current envelope, so a
   restarted service goes on from them (LIVE, no second profile, no reused version);
 - the status topic from the beginning: the engines' `started` announcements (K set, batch
   limit, startup table), which a cold key's profile needs, and each key's newest latency
   knowledge and regimes (`latency_knowledge`), which a key's next owner starts from;
 - the telemetry topic from `lookback_s` ago (broker time): every engine's steps.
-Before serving, the first two are read until idle. The clock of a key is the newest step
-timestamp seen for it, so engines paced faster than real time (the twin) and a real fleet
+Before serving, the first two are read until idle, with the telemetry's partitions paused;
+then each poll's tables and status messages are handled before its telemetry (an engine's
+`started` names its key before its steps are filed). One consumer, not one per topic: each
+kafka-python consumer keeps an I/O thread, and an idle service's four (these three and the
+group's) took two thirds of its CPU. The clock of a key is the newest step timestamp seen
+for it, so engines paced faster than real time (the twin) and a real fleet
 look alike. A stop (SIGTERM, Ctrl-C) releases every force the service holds; a kill -9
 leaves them to expire (`LoopConfig.force_grace_s` after their block).
 """
@@ -27,7 +31,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -59,6 +65,9 @@ from schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 
+TOPIC_WAIT_LOG_S = 10.0
+"""A topic still missing after this long is logged (once): the broker may be creating it,
+or the service was pointed at the wrong topics."""
 MAX_STATUS_EVENT_BYTES = 1_048_576
 """Status events are read no larger than Kafka's default largest message: the largest, a
 key's latency knowledge, stays under 500 KB (`latency_memory.PERSISTED_CELLS`)."""
@@ -72,7 +81,8 @@ class ControlRunConfig:
     """Telemetry read at start-up from this far back (broker time): a restart's fits see
     the last minutes again instead of waiting for them."""
     poll_ms: int = 100
-    """How long one poll of a topic waits: the service's reaction time, at most."""
+    """How long one poll of the reader waits when nothing comes: the service's reaction time
+    to an ownership change, at most (a message ends the wait)."""
     group: str | None = None
     """The consumer group the replicas of one tables topic share (None: `default_group`)."""
     session_timeout_ms: int = SESSION_TIMEOUT_MS
@@ -128,7 +138,8 @@ class ControlRunner:
         self.history_records = 0
         self.bad_frames = 0
         self._stop = threading.Event()
-        self._telemetry: KafkaConsumer | None = None
+        self._reader: KafkaConsumer | None = None
+        """The one consumer of the tables, status and telemetry topics (`run`)."""
         self._live_from: dict[TopicPartition, int] = {}
         """Per partition, the first offset that is live: the high watermark when it was
         first fetched. What came before is the lookback's history, for fits only."""
@@ -141,35 +152,42 @@ class ControlRunner:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         check_with_vllm(DraftTable.from_vllm([[1, 1, 0]]))  # loads vLLM's validator now, not at the first table
         topics = self.settings.topics
-        tables = self._reader(topics.tables, from_beginning=True)
-        status = self._reader(topics.status, from_beginning=True)
+        reader = self._reader = KafkaConsumer(
+            **self.settings.client_kwargs(), enable_auto_commit=False, group_id=None,
+            fetch_max_bytes=64 * 1024 * 1024)
+        # in this order within a poll: the state topics first
+        handlers = {topics.status: self._on_status, topics.tables: self._on_table,
+                    topics.telemetry: self._on_telemetry}
         try:
-            self._catch_up(tables, self._on_table)
-            self._catch_up(status, self._on_status)
-            self._join()
-            telemetry = self._telemetry = self._reader(topics.telemetry, from_beginning=False)
+            state = [*self._partitions(topics.tables), *self._partitions(topics.status)]
+            telemetry = self._partitions(topics.telemetry)
+            reader.assign(state + telemetry)
+            if state:
+                reader.seek_to_beginning(*state)
+            if telemetry:  # until the state topics are read, and from lookback_s ago
+                reader.pause(*telemetry)
+            self._catch_up(handlers)
+            if not self._stop.is_set():
+                self._join()
+            if telemetry and not self._stop.is_set():
+                self._seek_lookback(telemetry)
+                reader.resume(*telemetry)
             log.info("ready: %d key(s) known from the tables and status topics; %s in group "
                      "%s at epoch %d, slots %s of %d", len(self.service.starts), self.issued_by,
                      self.ownership.config.group_id, self.ownership.epoch,
                      sorted(self.ownership.slots), self.ownership.slot_count)
-            try:
-                while not self._stop.is_set():
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
-                    self._follow_ownership()
-                    self._drain(status, self._on_status, timeout_ms=0)
-                    self._drain(tables, self._on_table, timeout_ms=0)
-                    self._drain(telemetry, self._on_telemetry, timeout_ms=self.config.poll_ms)
-                    self.service.tick()
-                    for channel in self.channels.values():
-                        if channel.unsent:
-                            channel.resend()
-            finally:
-                telemetry.close()
+            while not self._stop.is_set():
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                self._follow_ownership()
+                self._drain(handlers, timeout_ms=self.config.poll_ms)
+                self.service.tick()
+                for channel in self.channels.values():
+                    if channel.unsent:
+                        channel.resend()
         finally:
             self._release_all()
-            tables.close()
-            status.close()
+            reader.close()
             for channel in self.channels.values():
                 channel.close()
             self.ownership.close()  # after the releases: they go out while still the owner
@@ -205,48 +223,56 @@ class ControlRunner:
             self.fenced += channel.unsent
             channel.close(timeout_s=0)
 
-    # ---- readers --------------------------------------------------------------------------
-    def _reader(self, topic: str, *, from_beginning: bool) -> KafkaConsumer:
-        consumer = KafkaConsumer(**self.settings.client_kwargs(), enable_auto_commit=False,
-                                 group_id=None, fetch_max_bytes=64 * 1024 * 1024)
-        partitions = None
-        while partitions is None and not self._stop.is_set():
-            partitions = consumer.partitions_for_topic(topic)
-            if partitions is None:  # started before the topics exist: wait for them
-                self._stop.wait(0.5)
-        assigned = [TopicPartition(topic, p) for p in sorted(partitions or ())]
-        consumer.assign(assigned)
-        if not assigned:
-            return consumer
-        if from_beginning:
-            consumer.seek_to_beginning(*assigned)
-            return consumer
+    # ---- the reader -----------------------------------------------------------------------
+    def _partitions(self, topic: str) -> list[TopicPartition]:
+        """`topic`'s partitions, once it exists (the service may start before the topics;
+        kafka-python says an unknown topic has none)."""
+        assert self._reader is not None
+        partitions = self._reader.partitions_for_topic(topic)
+        log_at = time.monotonic() + TOPIC_WAIT_LOG_S
+        while not partitions and not self._stop.is_set():
+            if log_at is not None and time.monotonic() >= log_at:
+                log.warning("topic %s has no partitions yet: waiting for it", topic)
+                log_at = None
+            self._stop.wait(0.5)
+            partitions = self._reader.partitions_for_topic(topic)
+        return [TopicPartition(topic, p) for p in sorted(partitions or ())]
+
+    def _seek_lookback(self, partitions: list[TopicPartition]) -> None:
+        """Telemetry from `lookback_s` ago (broker time), or only what comes next."""
+        assert self._reader is not None
         if self.config.lookback_s <= 0:
-            consumer.seek_to_end(*assigned)
-            return consumer
+            self._reader.seek_to_end(*partitions)
+            return
         since_ms = int((time.time() - self.config.lookback_s) * 1000)
-        offsets = consumer.offsets_for_times({tp: since_ms for tp in assigned})
-        for tp in assigned:
+        offsets = self._reader.offsets_for_times({tp: since_ms for tp in partitions})
+        for tp in partitions:
             found = offsets.get(tp)
             if found is None:  # nothing that recent: only what comes next
-                consumer.seek_to_end(tp)
+                self._reader.seek_to_end(tp)
             else:
-                consumer.seek(tp, found.offset)
-        return consumer
+                self._reader.seek(tp, found.offset)
 
-    def _catch_up(self, consumer: KafkaConsumer, handle: object, idle_polls: int = 3) -> None:
+    def _catch_up(self, handlers: Mapping[str, Callable[[Any], None]],
+                  idle_polls: int = 3) -> None:
         """Read until `idle_polls` polls in a row bring nothing (end offsets are not
         trustworthy on every Kafka-protocol broker; an idle poll is)."""
         idle = 0
         while idle < idle_polls and not self._stop.is_set():
-            idle = 0 if self._drain(consumer, handle, timeout_ms=200) else idle + 1
+            idle = 0 if self._drain(handlers, timeout_ms=200) else idle + 1
 
-    @staticmethod
-    def _drain(consumer: KafkaConsumer, handle: object, *, timeout_ms: int) -> int:
+    def _drain(self, handlers: Mapping[str, Callable[[Any], None]], *, timeout_ms: int) -> int:
+        """One poll; each message to its topic's handler, the topics in `handlers`' order.
+        The number of messages."""
+        assert self._reader is not None
+        rank = {topic: i for i, topic in enumerate(handlers)}
+        batches = sorted(self._reader.poll(timeout_ms=timeout_ms).items(),
+                         key=lambda batch: rank[batch[0].topic])
         count = 0
-        for messages in consumer.poll(timeout_ms=timeout_ms).values():
+        for partition, messages in batches:
+            handle = handlers[partition.topic]
             for message in messages:
-                handle(message)  # type: ignore[operator]
+                handle(message)
                 count += 1
         return count
 
@@ -319,8 +345,8 @@ class ControlRunner:
         tp = TopicPartition(message.topic, message.partition)  # type: ignore[attr-defined]
         live_from = self._live_from.get(tp)
         if live_from is None:
-            assert self._telemetry is not None
-            highwater = self._telemetry.highwater(tp)
+            assert self._reader is not None
+            highwater = self._reader.highwater(tp)
             live_from = self._live_from[tp] = (message.offset  # type: ignore[attr-defined]
                                                if highwater is None else highwater)
         if message.offset < live_from:  # type: ignore[attr-defined]

@@ -4,22 +4,30 @@ engines whose tables come only from the tables topic."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
+from kafka.admin import KafkaAdminClient, NewTopic
 
+import controller.fleet.runner as runner_module
 from controller.engine.follower import TableFeed
 from controller.engine.table_switch import TableSwitch
-from controller.fleet.table_log import read_topic
+from controller.fleet.ownership_config import SLOTS
+from controller.fleet.runner import ControlRunConfig, ControlRunner
+from controller.fleet.table_log import TABLES_TOPIC_CONFIG, read_topic
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
+from fitter.derive import fit_table
+from fitter.engine_consensus import with_screening
 from fitter.surface.latency_memory import LatencyCells
 from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_table_message
-from schemas.settings import Settings
+from schemas.settings import Settings, TopicNames
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.kafka_helpers import wait_for
 from tests.test_controller.test_closed_loop import ngram_chat_to_code
@@ -229,3 +237,39 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
     cells = LatencyCells.from_json(published[-1]["cells"])
     assert len(cells) > 0 and resumed["knowledge_cells"] == len(cells), (resumed, len(cells))
     assert resumed["regimes"] == len(published[-1]["regimes"]) >= 1, resumed  # the profile's
+
+
+def test_a_service_started_before_the_telemetry_topic_serves_it_once_created(
+        broker, unique_name, caplog, monkeypatch):
+    """Kafka says an unknown topic has no partitions: the service waits for the telemetry
+    topic (saying so) instead of reading nothing from it for good."""
+    names = TopicNames(telemetry=f"{unique_name}.telemetry", tables=f"{unique_name}.tables",
+                       status=f"{unique_name}.status", dlq=f"{unique_name}.dlq",
+                       ownership=f"{unique_name}.ownership")
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    admin.create_topics([NewTopic(names.tables, 1, 1, topic_configs=dict(TABLES_TOPIC_CONFIG)),
+                         NewTopic(names.status, 1, 1), NewTopic(names.dlq, 1, 1),
+                         NewTopic(names.ownership, SLOTS, 1)])
+    settings = Settings(bootstrap_servers=(broker.bootstrap,), topics=names)
+    monkeypatch.setattr(runner_module, "TOPIC_WAIT_LOG_S", 0.0)
+    caplog.set_level(logging.INFO, logger=runner_module.__name__)
+    runner = ControlRunner(settings, with_screening(fit_table),
+                           config=ControlRunConfig(lookback_s=0))
+    serving = threading.Thread(target=runner.run, kwargs={"timeout_s": 300})
+    serving.start()
+    try:
+        assert wait_for(lambda: f"topic {names.telemetry} has no partitions yet" in caplog.text,
+                        30)
+        admin.create_topics([NewTopic(names.telemetry, 4, 1)])
+        assert wait_for(lambda: "ready:" in caplog.text, 60)  # lookback_s=0: what comes next
+        fleet = Fleet(jump(c8_s=30.0, c64_s=0.0), settings,
+                      FleetConfig(engines=1, speedup=SPEEDUP))
+        fleet.start()
+        assert wait_for(lambda: runner.records > 0, 60)
+        fleet.join()
+    finally:
+        admin.close()
+        runner.stop()
+        serving.join(timeout=60)
+    assert not serving.is_alive()
+    assert runner.service.loop(KEY) is not None  # its key is served

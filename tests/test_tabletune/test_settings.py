@@ -72,6 +72,8 @@ def test_flag_overrides_env():
         ({"TABLETUNE_VERIFY_KEYS": "k1"}, "'k1' is not id:public-key"),
         ({"TABLETUNE_TOPIC_TELEMETRY": ""}, "TABLETUNE_TOPIC_TELEMETRY='': a topic name"),
         ({"TABLETUNE_TOPIC_DLQ": " "}, "TABLETUNE_TOPIC_DLQ=' '"),
+        ({"TABLETUNE_TOPIC_STATUS": "tabletune.telemetry"},
+         "TABLETUNE_TOPIC_TELEMETRY and TABLETUNE_TOPIC_STATUS are both 'tabletune.telemetry'"),
         ({"TABLETUNE_VERIFY_KEYS": "k1:old-hmac-secret"},
          "TABLETUNE_VERIFY_KEYS entry 'k1': not an Ed25519 public key"),
         ({"TABLETUNE_SIGNING_KEY_ID": "k", "TABLETUNE_SIGNING_KEY": "c2VjcmV0"},

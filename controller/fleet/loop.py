@@ -211,6 +211,9 @@ class ClosedLoop:
         """When the follow-up refit after a re-profile is due (None: none pending)."""
         self._unmeasured_version = -1
         """The table version whose load the loop last found unmeasured (`_unmeasured_load`)."""
+        self._judge_probe = False
+        """Whether the running probe's refit is judged (`_refit(judged=...)`): every probe's
+        but a coverage drift's."""
         self._hints: tuple[float, float] | None = None
         """When the drift detector's current run of fast hints began, and its last hint."""
         self._resumed_report: DriftReport | None = None
@@ -460,6 +463,9 @@ class ClosedLoop:
                 self._settle(now_s, reason="acceptance rose where the table drafts the "
                                            "largest K")
             else:
+                # a load past the table's measured range is probed to be measured: its
+                # table goes out, and with it the range the detector's coverage reads
+                self._judge_probe = report.signal != "coverage"
                 self._start_reprofile(now_s, hidden=hidden)
         else:
             self._next_refit_s = now_s + self.config.drift.window_s
@@ -612,7 +618,8 @@ class ClosedLoop:
             steps_since_s = sweep.confirm_started_s if sweep.confirmed else None
             newest = self.agent.state.newest_version
             self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
-                        steps_since_s=steps_since_s, records_since_s=sweep.records_from_s)
+                        steps_since_s=steps_since_s, records_since_s=sweep.records_from_s,
+                        judged=sweep.probe and not first and self._judge_probe)
             published = (self.agent.state.desired_version
                          if self.agent.state.newest_version > newest else None)
             records = self.window.anchor
@@ -642,9 +649,13 @@ class ClosedLoop:
     def _refit(self, now_s: float, *, reason: str, force: bool,
                k_values: tuple[int, ...] | None = None, steps_since_s: float | None = None,
                records_since_s: float | None = None, min_gain: float | None = None,
-               gain_z: float | None = None, recalled: Regime | None = None) -> bool:
+               gain_z: float | None = None, recalled: Regime | None = None,
+               judged: bool = False) -> bool:
         """Fit, derive, publish if forced or worth it (`min_gain`, `gain_z`: the config's by
         default); False when held back (a rollback's cooldown, a guardrail watch's hold).
+        `judged`: forced past those holds, but published only if worth it, else the running
+        table settles (`_settle`): a one-engine key's probe, whose fit on a slow engine's few
+        steps can price K with errors as large as the gains.
         A re-profile's end: `k_values`, the confirmed K (any other is an extrapolation);
         the step models fit only the steps since `steps_since_s` (the sweep's short blocks
         overrate the larger K's tokens per step), the requests that finished since
@@ -692,7 +703,12 @@ class ClosedLoop:
                              **({"running_unmeasured": True} if unmeasured else {}))
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
-        if not force and (gain < min_gain or (gain < gain_z * stderr and not unmeasured)):
+        worth_it = gain >= min_gain and (gain >= gain_z * stderr or unmeasured)
+        if judged and not worth_it:
+            self._settle(now_s, reason=f"the probe's fit could not tell its table from the "
+                                       f"running one: {gain:+.4f} ± {stderr:.4f}")
+            return True
+        if not force and not worth_it:
             if reason == "periodic" and not unmeasured:
                 self._space_out_refits(now_s)
             return True

@@ -600,3 +600,33 @@ def test_periodic_refits_that_find_nothing_space_out_until_a_drift() -> None:
     # and two after the next: spaced out from the start again
     assert later[2] - later[1] <= config.refit_interval_s + TICK_S, refits
     assert later[3] - later[2] <= 2 * config.refit_interval_s + TICK_S, refits
+
+
+
+def test_a_probes_refit_publishes_only_a_gain_clear_of_its_error() -> None:
+    """A one-engine key's probe has no confirmation: its refit is judged as a periodic one
+    is, and where the gain is not clear of `gain_z` errors the running table stays and the
+    loop settles (a real 2-core server's probe fitted 105 steps, +12% +- 29%, and put K0,
+    the slowest K there by 20%, at 6-10 requests for 34 s). The slow engine's acceptance
+    rise (best K 1 -> 3) clears the default bar; a bar of 100 errors holds the same refit."""
+    for config in (LoopConfig(), LoopConfig(gain_z=100.0)):
+        policy = TabletunePolicy(config)
+        run_scenario(slow_engine(LOW, EAGLE), policy)
+        policy.close()
+        assert policy.loop is not None
+        decisions = policy.loop.decisions
+        reprofile = next(d for d in decisions if d.what == "reprofile" and d.t_s > 240.0)
+        assert reprofile.fields["probe_k"], decisions  # a probe, with blocks
+        refit = next(d for d in decisions if d.what == "refit" and d.t_s > reprofile.t_s)
+        assert refit.fields["reason"] == "stale", decisions
+        gain, stderr = refit.fields["gain"], refit.fields["gain_stderr"]
+        clear = gain >= config.min_gain and gain >= config.gain_z * stderr
+        assert clear == (config.gain_z < 100.0), refit  # the two bars straddle this gain
+        then = [d for d in decisions if d.t_s == refit.t_s and d.what != "refit"]
+        if clear:
+            assert [d.what for d in then] == ["stage"], then
+        else:
+            assert [d.what for d in then] == ["settle_refit"], then
+            assert "the probe's fit could not tell" in then[0].fields["reason"]
+            running = [v for at, v, _ in policy.loop.applied if at <= refit.t_s + 20.0]
+            assert running[-1] == 1, policy.loop.applied  # the profile's table runs on

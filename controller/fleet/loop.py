@@ -485,7 +485,8 @@ class ClosedLoop:
         called stale 22 s after its recall by a reference 20% above the regime's sweep,
         was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
         fall, and the detector learns the new level as its reference instead of reporting
-        the same drift every minute."""
+        the same drift every minute. Also where a one-engine key's probe ended in a refit
+        that could not tell its table from the running one (`_refit(judged=True)`)."""
         self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
@@ -617,11 +618,17 @@ class ClosedLoop:
             reason = "profile" if first else "stale"
             steps_since_s = sweep.confirm_started_s if sweep.confirmed else None
             newest = self.agent.state.newest_version
+            judged = sweep.probe and not first and self._judge_probe
             self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s,
-                        judged=sweep.probe and not first and self._judge_probe)
+                        judged=judged)
             published = (self.agent.state.desired_version
                          if self.agent.state.newest_version > newest else None)
+            if published is None and judged:
+                # the running table stays: so does the regime it was fitted on (a recall of
+                # the probe's few steps would publish, unwatched, what the gate refused)
+                self._publish_memory(now_s)
+                return
             records = self.window.anchor
             signature = Signature.of(records)  # every K's blocks: a later table runs any K
             self._table_regime, self._left_regime = None, False
@@ -653,9 +660,10 @@ class ClosedLoop:
                judged: bool = False) -> bool:
         """Fit, derive, publish if forced or worth it (`min_gain`, `gain_z`: the config's by
         default); False when held back (a rollback's cooldown, a guardrail watch's hold).
-        `judged`: forced past those holds, but published only if worth it, else the running
-        table settles (`_settle`): a one-engine key's probe, whose fit on a slow engine's few
-        steps can price K with errors as large as the gains.
+        `judged` (with `force`): past those holds, but published only if worth it, else the
+        running table settles (`_settle`) where its fit measured the load: a one-engine
+        key's probe, whose fit of a slow engine's few steps can price K with errors as large
+        as the gains.
         A re-profile's end: `k_values`, the confirmed K (any other is an extrapolation);
         the step models fit only the steps since `steps_since_s` (the sweep's short blocks
         overrate the larger K's tokens per step), the requests that finished since
@@ -704,9 +712,12 @@ class ClosedLoop:
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
         worth_it = gain >= min_gain and (gain >= gain_z * stderr or unmeasured)
-        if judged and not worth_it:
+        if judged and not worth_it and not unmeasured:
+            # kept where its fit measured the load: a table that did not would be probed
+            # for coverage next, and that probe's table goes out whatever its gain
             self._settle(now_s, reason=f"the probe's fit could not tell its table from the "
-                                       f"running one: {gain:+.4f} ± {stderr:.4f}")
+                                       f"running one: gain {gain:+.4f} +- {stderr:.4f}")
+            self._reset_refit_wait(now_s)
             return True
         if not force and not worth_it:
             if reason == "periodic" and not unmeasured:

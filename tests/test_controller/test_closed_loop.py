@@ -602,7 +602,6 @@ def test_periodic_refits_that_find_nothing_space_out_until_a_drift() -> None:
     assert later[3] - later[2] <= 2 * config.refit_interval_s + TICK_S, refits
 
 
-
 def test_a_probes_refit_publishes_only_a_gain_clear_of_its_error() -> None:
     """A one-engine key's probe has no confirmation: its refit is judged as a periodic one
     is, and where the gain is not clear of `gain_z` errors the running table stays and the
@@ -630,3 +629,31 @@ def test_a_probes_refit_publishes_only_a_gain_clear_of_its_error() -> None:
             assert "the probe's fit could not tell" in then[0].fields["reason"]
             running = [v for at, v, _ in policy.loop.applied if at <= refit.t_s + 20.0]
             assert running[-1] == 1, policy.loop.applied  # the profile's table runs on
+            # periodic refits again, the first once the settled steps are in (the slow
+            # engine's clock moves a step, up to seconds, at a time), not an interval later
+            after = next(d for d in decisions if d.what == "refit" and d.t_s > refit.t_s)
+            assert after.fields["reason"] == "periodic"
+            assert (config.reprofile_settle_s <= after.t_s - refit.t_s
+                    < config.refit_interval_s), decisions
+
+
+def test_a_probe_of_a_load_never_measured_publishes_whatever_its_gain() -> None:
+    """The load jumps past what the table measured (16 -> 128 users): the probe's table goes
+    out even under a bar no gain clears, as the running table's K there was a guess, and the
+    new table carries the measured range the detector's coverage check reads."""
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
+        PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
+                    prompt_len=355, output_len=300),
+        PhaseConfig(name="c128", duration_s=90, concurrency=128, acceptance=EAGLE,
+                    prompt_len=355, output_len=300)))
+    policy = TabletunePolicy(LoopConfig(gain_z=100.0, min_gain=1.0))
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    stale = next(d for d in decisions if d.what == "stale")
+    assert stale.fields["signal"] == "coverage", decisions
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > stale.t_s)
+    assert refit.fields["reason"] == "stale" and refit.fields["gain"] < 1.0, refit
+    assert [d.what for d in decisions if d.t_s == refit.t_s and d.what != "refit"] == \
+        ["stage"], decisions

@@ -55,10 +55,11 @@ MAX_NUM_SEQS = 16
 ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
 DEFAULTS = {
     # per phase: lead-in + measured window + drain (a request's latency, ~5-25 s), and a
-    # server start (~55 s) per arm; 5 fixed x 1 + (static + tabletune) x 2 = 9 servers. With
-    # tabletune 60 + 50 s and the others 5 + 25 s the run took 46.5 min on 2 idle cores (an
-    # arm 3.2-4.4 min, tabletune's 9 min); 60 + 40 and 5 + 20 fit 45
-    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 1, "measure_s": 40.0,
+    # server start (~25-55 s) per arm; every arm twice, 14 servers: one sample of a fixed K
+    # swung 10-14% against its twin load in another run (K1 at 16 in flight: 392 and 445
+    # tok/s), more than the K differ. 60 + 40 s and 5 + 20 s took 43 min on an Intel Xeon
+    # host, about 35 on an AMD EPYC one
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 2, "measure_s": 40.0,
              "fixed_measure_s": 20.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
               "measure_s": 12.0, "fixed_measure_s": 6.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
@@ -257,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arms", nargs="+", default=None, help=f"default: {ALL_ARMS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     parser.add_argument("--fixed-repeats", type=int, default=None,
-                        help="repeats of the fixed:K arms (default 1)")
+                        help="repeats of the fixed:K arms (default 2, quick: 1)")
     parser.add_argument("--lead-s", type=float, default=None,
                         help="tabletune: each phase is measured after this (default 60)")
     parser.add_argument("--measure-s", type=float, default=None,

@@ -6,8 +6,10 @@ that concurrency and output throughput depends on the table. Its size is a numbe
 prompts, chosen for a length in seconds (lead-in + measured window + drain) from the
 server's speed in that phase: the first arm probes each phase (a short client run before
 it), later arms are sized from the fastest arm's speed and the longest drain so far, so a
-slower machine runs about as long (fewer tokens, not 10x the time), and no table gets a
-shorter measured window than asked.
+slower machine runs about as long (fewer tokens, not 10x the time). An arm faster than
+every arm before it gets a shorter measured window than asked: TableTune's first repeat at
+one in flight, run after `fixed:0` alone, was measured over 22 s of 70 (with the fixed K
+twice, K0, K1 and K2 now run before it).
 """
 
 from __future__ import annotations

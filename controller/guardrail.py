@@ -106,7 +106,9 @@ class GuardrailConfig:
     drift_level_sd: float = 0.04
     """Added (as a standard deviation of log goodput) to the error of a swap armed
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
-    settling stretch, the one window of it in the new regime. Between that and the watch the
+    settling stretch, the one window of it in the new regime; and to its follow-up's
+    (`settling`), whose baseline lies in the same trend (twin, EAGLE 16 -> 64 users, seed
+    62: K3, 1.5% better, rolled back to K4 at 0.911, 88 s after the jump). Between that and the watch the
     traffic's own wander moves goodput by a level that no watch length averages away, and
     without it a sound pick is rolled back to the table just called stale. 0 = compare as
     any other swap."""
@@ -230,10 +232,14 @@ class Guardrail:
             self._recent.popleft()
 
     def arm(self, new_version: int, old_version: int, at_s: float, *,
-            after_drift: bool = False, baseline_since_s: float | None = None) -> None:
+            after_drift: bool = False, settling: bool = False,
+            baseline_since_s: float | None = None) -> None:
         """A swap from `old_version` to `new_version` happened at `at_s`: start watching.
         `after_drift`: the swap ends a re-profile, and its error carries
-        `GuardrailConfig.drift_level_sd`. `baseline_since_s`: the old table's steps from
+        `GuardrailConfig.drift_level_sd`. `settling`: the swap follows such a refit while
+        the new regime still settles (its follow-up), so its baseline, the last
+        `baseline_window_s`, lies in the same trend: the error carries the level shift too.
+        `baseline_since_s`: the old table's steps from
         then on are the baseline (a re-profile's settling stretch, before its forced
         blocks), not those of the last `baseline_window_s`. It reaches back only as far as
         the kept steps do: they are pruned to `baseline_window_s` behind the newest table
@@ -247,7 +253,8 @@ class Guardrail:
                 baseline += sums
                 _add_blocks(blocks, chunk_blocks)
         self._watch = _Watch(new_version, old_version, at_s, baseline, blocks,
-                             level_sd=self.config.drift_level_sd if after_drift else 0.0)
+                             level_sd=(self.config.drift_level_sd
+                                       if after_drift or settling else 0.0))
         self.state = GuardState.WATCHING
 
     @property

@@ -297,9 +297,10 @@ class ClosedLoop:
             self._resumed_report = self.drift.observe(own)
 
     def publish(self, envelope: TableEnvelope, now_s: float, *, guard: bool = True,
-                after_drift: bool = False) -> None:
+                after_drift: bool = False, settling: bool = False) -> None:
         """An envelope arrives from the tables topic (or the loop's own fit); `after_drift`:
-        the loop's refit at the end of a re-profile (`Guardrail.arm`'s level shift).
+        the loop's refit at the end of a re-profile, `settling` its follow-up
+        (`Guardrail.arm`'s level shift).
 
         One from outside ends a re-profile in progress: the operator's (or a fleet
         fitter's) table runs now, under the guardrail, rather than after the sweep's refit
@@ -311,7 +312,8 @@ class ClosedLoop:
             self._leave_sweep(now_s)
             self._next_refit_s = now_s + self.config.refit_interval_s
             self._decisions.note(now_s, What.REPROFILE_ABANDONED, version=envelope.version)
-        self.publisher.sync(now_s, guard=guard, after_drift=after_drift)
+        self.publisher.sync(now_s, guard=guard, after_drift=after_drift,
+                            settling=settling)
 
     def observe_envelope(self, envelope: TableEnvelope, now_s: float) -> None:
         """An envelope on the tables topic that this loop did not send (an operator's, or
@@ -735,7 +737,7 @@ class ClosedLoop:
             self._decisions.note(now_s, What.UNWATCHED, version=version, reason="the "
                                  "confirmation ran the replaced table's K beside the new pick")
         self.publish(envelope, now_s, guard=reason not in UNWATCHED_REASONS and not vetted,
-                     after_drift=reason == "stale")
+                     after_drift=reason == "stale", settling=reason == "follow_up")
         if self._left_regime and recalled is None:
             # fitted on the traffic the drift moved to: code recalled at 563 s, GSM8K's
             # table fitted live at 750 s, and code's return at 958 s found its regime

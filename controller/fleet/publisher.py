@@ -98,8 +98,10 @@ class Publisher:
         desired = self.agent.desired()
         return self.startup_table if desired is None else desired.table
 
-    def sync(self, now_s: float, *, guard: bool, after_drift: bool = False) -> None:
-        """Send the agent's desired table if it is not the one the engines were sent."""
+    def sync(self, now_s: float, *, guard: bool, after_drift: bool = False,
+             settling: bool = False) -> None:
+        """Send the agent's desired table if it is not the one the engines were sent;
+        `after_drift` and `settling` as `Guardrail.arm` reads them."""
         desired = self.agent.desired()
         version = 0 if desired is None else desired.version
         if version == self.active_version:
@@ -113,8 +115,9 @@ class Publisher:
         watch = None
         if guard and previous != 0:
             self.guardrail.arm(version, previous, now_s, after_drift=after_drift,
+                               settling=settling,
                                baseline_since_s=self.baseline_since_s if after_drift else None)
-            watch = "after_drift" if after_drift else "swap"
+            watch = "after_drift" if after_drift else "settling" if settling else "swap"
         else:
             self.guardrail.disarm()
         # the refit that ends a re-profile was chosen among the K its confirmation ran

@@ -137,7 +137,7 @@ def test_config_rejects_nonsense() -> None:
 
 
 def watch_after_8s_baseline(config: GuardrailConfig, goodput: Callable[[int, int], float], *,
-                            seed: int, after_drift: bool = False
+                            seed: int, after_drift: bool = False, settling: bool = False
                             ) -> tuple[list[Verdict], dict[str, object]]:
     """8 s of version 1, a swap to version 2 armed at 60 s, then a look after every 1 s
     chunk for up to 60 s; `goodput(version, second)` sets each chunk's level."""
@@ -150,7 +150,7 @@ def watch_after_8s_baseline(config: GuardrailConfig, goodput: Callable[[int, int
     guard = Guardrail(config)
     for second in range(52, 60):
         guard.observe(chunk(1, second))
-    guard.arm(2, 1, at_s=60.0, after_drift=after_drift)
+    guard.arm(2, 1, at_s=60.0, after_drift=after_drift, settling=settling)
     verdicts = []
     for second in range(60, 120):
         guard.observe(chunk(2, second))
@@ -175,7 +175,7 @@ def test_slow_waves_in_goodput_widen_the_error_instead_of_rolling_back() -> None
     assert wave_run(GuardrailConfig(block_s=1e9, prior_dof=0.0))[-1] is Verdict.ROLL_BACK
 
 
-def crest_run(ratio: float, *, after_drift: bool
+def crest_run(ratio: float, *, after_drift: bool, settling: bool = False
               ) -> tuple[list[Verdict], dict[str, object]]:
     """8 s of the old table on a crest of the traffic (goodput 15% above its level), then
     the new table at `ratio` x that level: steady within each window, so the blocks'
@@ -183,7 +183,8 @@ def crest_run(ratio: float, *, after_drift: bool
     def level(version: int, second: int) -> float:
         return 6000.0 * (1.15 if version == 1 else ratio)
 
-    return watch_after_8s_baseline(GuardrailConfig(), level, seed=5, after_drift=after_drift)
+    return watch_after_8s_baseline(GuardrailConfig(), level, seed=5, after_drift=after_drift,
+                                   settling=settling)
 
 
 def test_after_a_drift_a_crest_in_the_baseline_does_not_roll_back_an_equal_table() -> None:
@@ -193,6 +194,16 @@ def test_after_a_drift_a_crest_in_the_baseline_does_not_roll_back_an_equal_table
     # the same comparison armed as any other swap calls the crest a regression
     verdicts, evidence = crest_run(1.0, after_drift=False)
     assert verdicts[-1] is Verdict.ROLL_BACK and evidence["level_shift_sd"] == 0.0
+
+
+def test_a_follow_up_refits_watch_carries_the_level_shift_too() -> None:
+    """Its baseline, the drift's refit's last seconds, lies in the trend that follows the
+    drift, as a re-profile's settling stretch does."""
+    verdicts, evidence = crest_run(1.0, after_drift=False, settling=True)
+    assert Verdict.ROLL_BACK not in verdicts
+    assert evidence["level_shift_sd"] == GuardrailConfig().drift_level_sd
+    verdicts, _ = crest_run(0.6, after_drift=False, settling=True)
+    assert verdicts[-1] is Verdict.ROLL_BACK
 
 
 def test_after_a_drift_a_far_worse_table_is_still_rolled_back() -> None:

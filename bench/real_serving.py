@@ -10,13 +10,12 @@ through its module, in a child process): phases back to back in one server's lif
 load, high load, prompts 4x longer), one fresh server per arm and repeat.
 
 Arms: `fixed:K` for K in 0..4 and `static` (vLLM's documented table, scaled) run a `force`
-of their table; `tabletune` starts cold. A table that never changes needs no minute to
-learn, so those arms run shorter phases, measured after a short warm-up (`--fixed-lead-s`,
-`--fixed-measure-s`); `tabletune`'s phases are measured after their first minute
-(`--lead-s`, `--measure-s`). `fixed:K` arms run `--fixed-repeats` times, the others
-`--repeats` times: the whole run fits 45 min on 2 cores (see `--help` for the sizes). The
-model is the self-speculative pair (`--pair`, `--dtype`; PAIRS below says why `small` in
-float32 by default).
+of their table; `tabletune` starts cold. Every arm runs the same requests in each phase and
+is scored over the same windows (bench/serving_plan.py, bench/serving_summary.py): per
+phase from `--lead-s` in to the drain, and over the run from TableTune's first table and
+from the first second. `fixed:K` arms run `--fixed-repeats` times, the others `--repeats`
+times (see `--help` for the sizes). The model is the self-speculative pair (`--pair`,
+`--dtype`; PAIRS below says why `small` in float32 by default).
 
 --quick: the tiny model with the tests' n-gram drafter, `fixed:2` and `tabletune`, one
 short phase each; exits non-zero unless vLLM's client completed requests without failures
@@ -42,6 +41,7 @@ from bench.serving_plan import (
     FIXED_K,
     PLANS,
     QUICK_PHASES,
+    SIZE_MARGIN,
     Phase,
     plan_dict,
     schedule,
@@ -52,18 +52,18 @@ from tabletune.control_process import ControlProcessError
 
 MAX_K = 4
 MAX_NUM_SEQS = 16
-ALL_ARMS = [*(f"fixed:{k}" for k in FIXED_K), "static", "tabletune"]
+ALL_ARMS = ["fixed:2", *(f"fixed:{k}" for k in FIXED_K if k != 2), "static", "tabletune"]
+"""A middle K first: the first arm's probe sizes every arm's phases (serving_plan)."""
 DEFAULTS = {
-    # per phase: lead-in + measured window + drain (a request's latency, ~5-25 s), and a
-    # server start (~25-55 s) per arm; every arm twice, 14 servers: one sample of a fixed K
-    # swung 10-14% against its twin load in another run (K1 at 16 in flight: 392 and 445
-    # tok/s), more than the K differ. 60 + 40 s and 5 + 20 s took 43 min on an Intel Xeon
-    # host, about 35 on an AMD EPYC one
-    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 2, "measure_s": 40.0,
-             "fixed_measure_s": 20.0, "lead_s": 60.0, "fixed_lead_s": 5.0, "refit_s": 30.0},
+    # per phase: lead-in + measured window (x SIZE_MARGIN) + drain (a request's latency,
+    # ~1-5 s), and a server start (~25-55 s) per arm; every arm twice, 14 servers: one
+    # sample of a fixed K swung 10-14% against its twin load in another run (K1 at 16 in
+    # flight: 392 and 445 tok/s), more than the K differ. The lead-in is where the bar
+    # starts (30 s into a phase)
+    "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 2, "measure_s": 30.0,
+             "lead_s": 30.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,
-              "measure_s": 12.0, "fixed_measure_s": 6.0, "lead_s": 20.0, "fixed_lead_s": 2.0,
-              "refit_s": 10.0},
+              "measure_s": 12.0, "lead_s": 20.0, "refit_s": 10.0},
 }
 PAIRS = {
     "small": {"hidden_size": 1024, "num_layers": 6, "num_heads": 16, "intermediate_size": 2816},
@@ -139,9 +139,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         ingest.start()
         ctx = ArmContext(setup, table0, settings, broker.bootstrap,
                          f"cpu{os.cpu_count()}c", out, work / "vllm-cache", phases,
-                         {"tabletune": args.lead_s, "fixed": args.fixed_lead_s},
-                         {"tabletune": args.measure_s, "fixed": args.fixed_measure_s},
-                         ("--refit-s", str(args.refit_s)), probe=not args.quick)
+                         args.lead_s, args.measure_s, ("--refit-s", str(args.refit_s)),
+                         probe=not args.quick)
         try:
             for i, slot in enumerate(slots):
                 print(f"[{time.monotonic() - t0:5.0f} s] arm {i + 1}/{len(slots)}: {slot.arm} "
@@ -165,20 +164,22 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         histories = [tabletune_history(settings, r, events) for r in runs
                      if r.slot.arm == "tabletune"]
     from bench.serving_summary import arm_entries, comparisons
+    from bench.serving_tables import first_table_s, short_windows
     from bench.serving_telemetry import load
 
     steps = load(parquet) if runs else None
-    lead = {"tabletune": args.lead_s, "fixed": args.fixed_lead_s}
-    arms = arm_entries(runs, steps, lead) if steps is not None else {}
+    first_s = first_table_s(histories)
+    arms = arm_entries(runs, steps, args.lead_s, first_s) if steps is not None else {}
     names = [p.name for p in phases]
-    problems = failures + checks(runs, histories, {k for _, _, k in table0})
+    problems = (failures + checks(runs, histories, {k for _, _, k in table0})
+                + short_windows(arms, args.measure_s))
     from tabletune.suite.machine import machine
 
     result = {
         "machine": machine(),
         "command": "python -m bench.real_serving" + (" --quick" if args.quick else ""),
         "commit": _commit(),
-        "setup": _setup(args, setup, phases, table0, lead, ctx.speeds),
+        "setup": _setup(args, setup, phases, table0, first_s, ctx),
         "arms": arms,
         "comparison": comparisons(arms, names),
         "tabletune_tables": histories,
@@ -206,12 +207,12 @@ def _drain(ingestor: Any, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None
 
 
 def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...],
-           table0: list[list[int]], lead: dict[str, float],
-           speeds: dict[str, dict[str, float]]) -> dict[str, Any]:
+           table0: list[list[int]], first_s: float, ctx: ArmContext) -> dict[str, Any]:
     described = []
     for phase, entry in zip(phases, plan_dict(phases), strict=True):
         described.append({**entry, "describe": phase.describe(),
-                          "speed": speeds.get(phase.name)})
+                          "speed": ctx.speeds.get(phase.name),
+                          "prompts": ctx.prompts.get(phase.name)})
     if args.quick:
         model = "tiny random Llama (2 layers, hidden 128, float32), n-gram drafter"
     else:
@@ -227,11 +228,11 @@ def _setup(args: argparse.Namespace, setup: ModelSetup, phases: tuple[Phase, ...
             "static_table": static_table(setup.max_num_seqs, setup.max_k),
             "plan": "quick" if args.quick else args.plan,
             "phases": described, "arms": args.arms, "repeats": args.repeats,
-            "fixed_repeats": args.fixed_repeats, "lead_s": lead,
-            "measure_s": {"tabletune": args.measure_s, "fixed": args.fixed_measure_s},
-            "control_refit_s": args.refit_s,
-            "score": "output tokens/s from the Parquet telemetry over each phase after its "
-                     "lead-in and before its drain (bench/serving_telemetry.py)"}
+            "fixed_repeats": args.fixed_repeats, "lead_s": args.lead_s,
+            "measure_s": args.measure_s, "first_table_s": first_s,
+            "size_margin": SIZE_MARGIN, "control_refit_s": args.refit_s,
+            "score": "output tokens/s from the Parquet telemetry, every arm over the same "
+                     "windows of the same requests (bench/serving_summary.py)"}
 
 
 def _commit() -> str:
@@ -255,18 +256,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan", choices=sorted(PLANS), default="low-high-long",
                         help="the phases (default low-high-long: 2, 16, then 6 in flight with "
                              "4x longer prompts; one-sixteen-one: 1, 16, 1 in flight)")
-    parser.add_argument("--arms", nargs="+", default=None, help=f"default: {ALL_ARMS}")
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help=f"default: {ALL_ARMS}; the first probes each phase's speed and "
+                             "sizes it for every arm, so put a middle K first")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     parser.add_argument("--fixed-repeats", type=int, default=None,
                         help="repeats of the fixed:K arms (default 2, quick: 1)")
     parser.add_argument("--lead-s", type=float, default=None,
-                        help="tabletune: each phase is measured after this (default 60)")
+                        help="every arm: each phase is scored from this many seconds in "
+                             "(default 30, where the bar starts; quick 20)")
     parser.add_argument("--measure-s", type=float, default=None,
-                        help="tabletune: then this long, before the drain (default 40)")
-    parser.add_argument("--fixed-lead-s", type=float, default=None,
-                        help="other arms, whose tables never change: lead-in (default 5)")
-    parser.add_argument("--fixed-measure-s", type=float, default=None,
-                        help="other arms: measured seconds per phase (default 20)")
+                        help="then at least this long before the drain: phases are sized "
+                             f"for it at {SIZE_MARGIN:g}x the first arm's speed (default 30; "
+                             "quick 12)")
     parser.add_argument("--refit-s", type=float, default=None,
                         help="`tabletune control --refit-s` (default 30; quick 10)")
     args = parser.parse_args(argv)

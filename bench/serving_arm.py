@@ -59,16 +59,20 @@ class ArmContext:
     out_dir: Path
     cache_dir: Path
     phases: tuple[Phase, ...]
-    lead_s: dict[str, float]
-    """Seconds of each phase before its measured window: "tabletune" and "fixed" (others)."""
-    measure_s: dict[str, float]
-    """Seconds of each phase's measured window, the same two ways."""
+    lead_s: float
+    """Seconds of each phase before its measured window, the same for every arm."""
+    measure_s: float
+    """Seconds of each phase's measured window it is sized for."""
     control_args: tuple[str, ...] = ()
     probe: bool = True
     """Probe a phase's speed before its first run (off: size from `Phase.expected_tok_s`)."""
     speeds: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per phase, `tok_s` and `drain_s` (serving_plan.speed_of): the first probe's, then the
-    fastest arm's tokens/s and the longest drain so far, what later arms are sized with."""
+    fastest arm's tokens/s and the longest drain so far (what a later phase of another
+    shape, such as serving_ngram_ab's budget part, is sized with)."""
+    prompts: dict[str, int] = field(default_factory=dict)
+    """Per phase, the prompt count of the first arm that ran it: every later arm runs the
+    same requests (serving_plan)."""
 
 
 @dataclass
@@ -108,18 +112,21 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
                                     hold_s=MAX_FORCE_S - 60, issued_by="bench.real_serving"))
     server = Server(setup, run.table if stock else ctx.startup_table, free_port(), env,
                     run_dir / "server.log", hook=not stock)
-    kind = "tabletune" if slot.arm == "tabletune" else "fixed"
-    lead_s, measure_s = ctx.lead_s[kind], ctx.measure_s[kind]
+    lead_s, measure_s = ctx.lead_s, ctx.measure_s
     plan = []
     for i, phase in enumerate(ctx.phases):
         common = {"base_url": server.url, "model": setup.served_name,
                   "tokenizer": str(setup.target), "result_dir": str(run_dir / "client")}
         speed = ctx.speeds.get(phase.name)
         seconds = phase_seconds(lead_s, measure_s, speed)
-        probe = ctx.probe and speed is None
+        probe = ctx.probe and phase.name not in ctx.prompts
+        if not ctx.probe:
+            ctx.prompts.setdefault(phase.name, phase.num_prompts(seconds))
+        # a probed phase's count is the client's to set (it replaces this one)
+        prompts = ctx.prompts.get(phase.name, phase.probe_prompts)
         entry: dict[str, Any] = {"name": phase.name, "argv": client_argv(
-            phase, prompts=phase.num_prompts(seconds, speed["tok_s"] if speed else None),
-            result_file=f"{phase.name}.json", warmups=int(i == 0 and not probe), **common)}
+            phase, prompts=prompts, result_file=f"{phase.name}.json",
+            warmups=int(i == 0 and not probe), **common)}
         if probe:
             entry["probe"] = {"argv": client_argv(phase, prompts=phase.probe_prompts,
                                                   result_file=None, warmups=int(i == 0),
@@ -152,6 +159,7 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
                 entry["probe"] = line
                 entry["target_s"] = line["seconds"]
                 ctx.speeds.setdefault(line["name"], {k: line[k] for k in ("tok_s", "drain_s")})
+                ctx.prompts.setdefault(line["name"], line["prompts"])
                 continue
             entry.update({k: line[k] for k in ("called", "started", "ended", "prompts")})
             entry["duration_s"] = line["ended"] - line["started"]

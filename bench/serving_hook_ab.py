@@ -97,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[ArmRun] = []
     with EmbeddedBroker() as broker:
         settings = Settings.from_env({"TABLETUNE_BOOTSTRAP": broker.bootstrap})
-        # both arms' tables never change: run_arm sizes them as "fixed"
         ctx = ArmContext(setup, startup_table(MAX_K, MAX_NUM_SEQS), settings,
                          broker.bootstrap, "hook-ab", out, work / "vllm-cache", phases,
-                         {"fixed": args.lead_s}, {"fixed": args.measure_s},
+                         args.lead_s, args.measure_s,
                          probe=not args.quick)
         for slot in pair_order(args.pairs, args.k):
             print(f"[{time.monotonic() - t0:5.0f} s] pair {slot.repeat}: {slot.arm}",

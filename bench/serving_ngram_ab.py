@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env({"TABLETUNE_BOOTSTRAP": broker.bootstrap})
         base = ArmContext(arms["stock"], startup_table(MAX_K, arms["stock"].max_num_seqs),
                           settings, broker.bootstrap, "ngram-ab", out, work / "vllm-cache",
-                          phases, {"fixed": args.lead_s}, {"fixed": args.measure_s},
+                          phases, args.lead_s, args.measure_s,
                           probe=not args.quick)
         for repeat, arm in pair_order(args.pairs):
             print(f"[{time.monotonic() - t0:5.0f} s] pair {repeat}: {arm}", file=sys.stderr,

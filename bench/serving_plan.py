@@ -2,14 +2,14 @@
 
 A phase is one run of vLLM's client (`vllm bench serve`): random prompts, Poisson arrivals
 at a rate above what the server can take, capped at a concurrency, so the server runs at
-that concurrency and output throughput depends on the table. Its size is a number of
-prompts, chosen for a length in seconds (lead-in + measured window + drain) from the
-server's speed in that phase: the first arm probes each phase (a short client run before
-it), later arms are sized from the fastest arm's speed and the longest drain so far, so a
-slower machine runs about as long (fewer tokens, not 10x the time). An arm faster than
-every arm before it gets a shorter measured window than asked: TableTune's first repeat at
-one in flight, run after `fixed:0` alone, was measured over 22 s of 70 (with the fixed K
-twice, K0, K1 and K2 now run before it).
+that concurrency and output throughput depends on the table. Every arm runs the same
+requests: vLLM's random dataset draws every prompt's lengths in one batch from `--seed`,
+so the prompt count decides which requests come, and each phase's count is set once, by
+the first arm's probe (a short client run before the phase), for the phase's length in
+seconds (lead-in + measured window + drain) at `SIZE_MARGIN` times the probed speed. An arm
+up to that much faster than the first still fills its window; a slower one runs longer on
+the same work. The first arm should be a middle K: a probe at K0 (half the speed of K4 at
+one in flight) leaves the fastest arms a short window, which the run reports as a problem.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 FIXED_K = (0, 1, 2, 3, 4)
+SIZE_MARGIN = 1.25
+"""Phases are sized for an arm this much faster than the probe's: K4 ran 1.17x K2 at one
+request in flight, the widest gap next to a middle K on the 2-core pair."""
+SHORT_WINDOW = 0.75
+"""A measured window under this share of `--measure-s` is reported: the arm outran the
+sizing, and its score rests on fewer seconds than asked."""
 VLLM_DOC_TABLE = [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]]
 """vLLM's documented example table (EAGLE-3 on Llama-3.1-8B; twin's `vllm-doc`)."""
 
@@ -40,8 +46,9 @@ class Phase:
     """The same prompts and arrivals in every arm."""
 
     def num_prompts(self, seconds: float, tok_s: float | None = None) -> int:
-        """Prompts for `seconds` at `tok_s` output tokens/s (default: `expected_tok_s`)."""
-        rate = self.expected_tok_s if tok_s is None else tok_s
+        """Prompts for `seconds` at `SIZE_MARGIN` x a probed `tok_s` output tokens/s, or at
+        `expected_tok_s` (a phase paced by its arrivals)."""
+        rate = self.expected_tok_s if tok_s is None else SIZE_MARGIN * tok_s
         # half a request more per slot: the drain runs below the steady rate
         return max(self.probe_prompts,
                    round(seconds * rate / self.output_len) + self.concurrency // 2)

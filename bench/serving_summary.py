@@ -1,12 +1,14 @@
 """The numbers of `bench.real_serving`: per arm and phase, over repeats; the comparisons.
 
-Scores are output tokens/s. Per phase, an arm's score is its telemetry rate over the
-phase's measured window (after the lead-in: the first minute for `tabletune`, a short
-warm-up for arms whose table never changes; before the drain), the median over repeats;
-vLLM's client result of the median repeat (by `output_throughput`; of two, the slower) is
-the arm's `phases` entry. Over the whole run, an arm's rate is the same work at its
-per-phase rates: the tokens of every phase (the `tabletune` arm's counts) over the time they
-take at those rates, so phases of another length weigh the same in every arm.
+Scores are output tokens/s from the telemetry, the median over repeats, and every arm is
+scored over the same stretch of the same requests. Per phase: the `measured` window, from
+the lead-in to the drain. Over the whole run: the `counted` windows, every second from
+TableTune's first table (phase 1 from the median time its engines applied version 1, the
+others from their start), and the `undrained` ones, its cold profile included. vLLM's
+client result of the median repeat (by `output_throughput`; of two, the slower) is the
+arm's `phases` entry. An arm's whole-run rate is the same work at its per-phase rates: the
+tokens of every phase over the time they take at those rates, so phases of another length
+weigh the same in every arm.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import polars as pl
 from bench.serving_arm import ArmRun
 from bench.serving_telemetry import phase_telemetry, timeline
 
+WINDOWS = ("measured", "counted", "undrained")
 
-def arm_entries(runs: list[ArmRun], steps: pl.DataFrame, lead_s: dict[str, float]
-                ) -> dict[str, dict[str, Any]]:
-    """{ARM: {"phases": {PHASE: client result}, "repeats": [...], "score": {...}}}."""
+
+def arm_entries(runs: list[ArmRun], steps: pl.DataFrame, lead_s: float,
+                first_table_s: float) -> dict[str, dict[str, Any]]:
+    """{ARM: {"phases": {PHASE: client result}, "repeats": [...], "score": {...}}};
+    `first_table_s`: seconds into the first phase from which the `counted` window runs."""
     arms: dict[str, dict[str, Any]] = {}
     for run in runs:
         mine = steps.filter(pl.col("engine_id") == run.engine_id)
-        lead = lead_s["tabletune" if run.slot.arm == "tabletune" else "fixed"]
         telemetry = {}
-        for p in run.phases:
-            telemetry[p["name"]] = phase_telemetry(mine, p, run.results[p["name"]], lead)
+        for i, p in enumerate(run.phases):
+            telemetry[p["name"]] = phase_telemetry(mine, p, run.results[p["name"]], lead_s,
+                                                   first_table_s if i == 0 else 0.0)
             telemetry[p["name"]]["timeline_10s"] = timeline(mine, p["started"], p["ended"])
         arms.setdefault(run.slot.arm, {"repeats": []})["repeats"].append({
             "repeat": run.slot.repeat, "key": run.key, "engine_id": run.engine_id,
@@ -44,13 +49,10 @@ def arm_entries(runs: list[ArmRun], steps: pl.DataFrame, lead_s: dict[str, float
             by_client = sorted(repeats, key=lambda r: r["phases"][name]["output_throughput"])
             entry["phases"][name] = by_client[(len(by_client) - 1) // 2]["phases"][name]
             entry["score"][name] = {
-                "measured_tok_s": _spread([r["telemetry"][name]["measured"]["tok_s"]
-                                           for r in repeats]),
-                "undrained_tok_s": _spread([r["telemetry"][name]["undrained"]["tok_s"]
-                                            for r in repeats]),
-                "client_output_throughput": _spread([r["phases"][name]["output_throughput"]
-                                                     for r in repeats]),
-            }
+                f"{window}_tok_s": _spread([r["telemetry"][name][window]["tok_s"]
+                                            for r in repeats]) for window in WINDOWS}
+            entry["score"][name]["client_output_throughput"] = _spread(
+                [r["phases"][name]["output_throughput"] for r in repeats])
     return arms
 
 
@@ -87,7 +89,7 @@ def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict
         seconds = sum(work[p] / rate(arm, p, kind) for p in phase_names)
         return round(sum(work.values()) / seconds, 2)
 
-    rates = {a: whole(a) for a in arms}
+    rates = {a: whole(a, "counted_tok_s") for a in arms}
     known = [a for a in fixed if rates[a] is not None]
     if not known:
         return out
@@ -96,15 +98,17 @@ def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict
                            "best_fixed_tok_s": rates[best]}
     # what a table could win: each phase at its own best fixed K, over the best single K
     per_phase_best = sum(work.values()) / sum(
-        work[p] / out["per_phase"][p]["best_fixed_tok_s"] for p in phase_names)
+        work[p] / max(rate(a, p, "counted_tok_s") for a in fixed) for p in phase_names)
     run["headroom"] = round(per_phase_best / rates[best], 3)
     for arm in ("tabletune", "static"):
         if arm in arms and rates[arm] is not None:
             run[f"{arm}_ratio"] = round(rates[arm] / rates[best], 3)
-    with_lead = whole("tabletune", "undrained_tok_s") if "tabletune" in arms else None
-    if with_lead is not None:
-        run["tabletune_with_lead_in_tok_s"] = with_lead
-        run["tabletune_with_lead_in_ratio"] = round(with_lead / rates[best], 3)
+    # the cold profile included: every arm from its first second, against the best fixed K
+    cold = {a: whole(a, "undrained_tok_s") for a in arms}
+    run["with_cold_profile_tok_s"] = cold
+    cold_best = max((cold[a] for a in fixed if cold[a] is not None), default=None)
+    if "tabletune" in arms and cold["tabletune"] and cold_best:
+        run["tabletune_with_cold_profile_ratio"] = round(cold["tabletune"] / cold_best, 3)
     out["whole_run"] = run
     return out
 

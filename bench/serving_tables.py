@@ -6,9 +6,11 @@ decisions). Also the checks that a run went as it should."""
 from __future__ import annotations
 
 import datetime as dt
+import statistics
 from typing import Any
 
 from bench.serving_arm import ArmRun
+from bench.serving_plan import SHORT_WINDOW
 from controller.fleet.table_log import read_log
 from schemas import TableControl, TableEnvelope, TableKey
 from schemas.settings import Settings
@@ -46,6 +48,29 @@ def tabletune_history(settings: Settings, run: ArmRun, events: list[dict[str, An
             "engine_events": counts,
             "applied_versions": sorted(applied), "sweeps": sweeps(run),
             "control_cpu": control_cpu(run)}
+
+
+def first_table_s(histories: list[dict[str, Any]]) -> float:
+    """Seconds into the first phase at which TableTune's engines applied version 1 (the
+    median over repeats; 0 without one): where "every second from its first table"
+    starts for every arm."""
+    times = [v["applied_s"] for h in histories for v in h["versions"]
+             if v["version"] == 1 and v["applied_s"] is not None]
+    return round(statistics.median(times), 1) if times else 0.0
+
+
+def short_windows(arms: dict[str, dict[str, Any]], measure_s: float) -> list[str]:
+    """Measured windows under SHORT_WINDOW of `measure_s`: the arm outran the phase's
+    sizing, so its score rests on fewer seconds than asked."""
+    short = []
+    for arm, entry in arms.items():
+        for repeat in entry["repeats"]:
+            for phase, telemetry in repeat["telemetry"].items():
+                seconds = telemetry["measured"]["seconds"]
+                if seconds < SHORT_WINDOW * measure_s:
+                    short.append(f"{arm} repeat {repeat['repeat']}: {phase} was measured over "
+                                 f"{seconds:.0f} s of {measure_s:g} (put a faster arm first)")
+    return short
 
 
 def control_cpu(run: ArmRun) -> dict[str, float] | None:

@@ -48,19 +48,23 @@ def window_stats(steps: pl.DataFrame, start_s: float, end_s: float) -> dict[str,
 
 
 def phase_telemetry(steps: pl.DataFrame, phase: dict[str, Any], result: dict[str, Any],
-                    lead_s: float) -> dict[str, Any]:
-    """The phase `whole`; `measured`: after its first `lead_s` and before its drain (the
-    last median request latency, when fewer requests than the cap are left in flight);
-    `undrained`: from its start to its drain (what a table that learns pays included)."""
+                    lead_s: float, counted_from_s: float = 0.0) -> dict[str, Any]:
+    """Windows of one phase, each ending at its drain (the last median request latency,
+    when fewer requests than the cap are left in flight): `measured` after its first
+    `lead_s`; `counted` from `counted_from_s` in (a learning table's first); `undrained`
+    from its start (what a table that learns pays included). `whole` is the phase."""
     start, end = phase["started"], phase["ended"]
     drain_s = float(result.get("median_e2el_ms") or 0.0) / 1000.0
+    drained = max(end - drain_s, start)
+
+    def from_(offset_s: float) -> dict[str, Any]:
+        begin = min(start + offset_s, drained)
+        return window_stats(steps, begin, drained)
+
     whole = window_stats(steps, start, end)
-    measured_start = min(start + lead_s, end)
-    measured_end = max(end - drain_s, measured_start)
-    measured = window_stats(steps, measured_start, measured_end)
-    undrained = window_stats(steps, start, max(end - drain_s, start))
     client_tokens = result.get("total_output_tokens") or 0
-    return {"whole": whole, "measured": measured, "undrained": undrained, "lead_s": lead_s,
+    return {"whole": whole, "measured": from_(lead_s), "counted": from_(counted_from_s),
+            "undrained": from_(0.0), "lead_s": lead_s, "counted_from_s": counted_from_s,
             "drain_s": round(drain_s, 2),
             "tokens_vs_client": round(whole["tokens"] / client_tokens, 3)
             if client_tokens else None}

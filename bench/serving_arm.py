@@ -41,6 +41,9 @@ from tabletune.control_process import ControlProcess, ControlProcessError
 
 CLIENT_READY_TIMEOUT_S = 120.0
 FORCED_TIMEOUT_S = 60.0
+CONTROL_NICENESS = 10
+"""The control service runs beside the server it tunes on the bench's 2 cores, where it took
+3-6% of a core; a deployment runs it off the serving hosts, so here it yields to them."""
 
 
 class ArmError(RuntimeError):
@@ -145,7 +148,8 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
             run.control_dir = run_dir / "control"
             control = ControlProcess({"TABLETUNE_BOOTSTRAP": ctx.bootstrap}, run.control_dir,
                                      ["--key", str(key), "--lookback-s", "0",
-                                      *ctx.control_args], ready_timeout_s=HEALTH_TIMEOUT_S)
+                                      *ctx.control_args], ready_timeout_s=HEALTH_TIMEOUT_S,
+                                     niceness=CONTROL_NICENESS)
             control.__enter__()
         run.server_start_s = server.wait_healthy()
         client.wait_ready()

@@ -21,6 +21,9 @@ FIXED_K = (0, 1, 2, 3, 4)
 SIZE_MARGIN = 1.25
 """Phases are sized for an arm this much faster than the probe's: K4 ran 1.17x K2 at one
 request in flight, the widest gap next to a middle K on the 2-core pair."""
+PROBE_MIN_PROMPTS = 6
+"""One request alone read 25-40% under the speed of the phase it sized (its client's fixed
+costs over one request's second at one in flight), which left every window short."""
 SHORT_WINDOW = 0.75
 """A measured window under this share of `--measure-s` is reported: the arm outran the
 sizing, and its score rests on fewer seconds than asked."""
@@ -55,9 +58,9 @@ class Phase:
 
     @property
     def probe_prompts(self) -> int:
-        """A probe of the server's speed in this phase: one request per slot (a wave of 16
-        took ~50 s on the loaded 2-core machine), and the least a phase runs."""
-        return self.concurrency
+        """A probe of the server's speed in this phase, and the least a phase runs: two
+        requests per slot, at least `PROBE_MIN_PROMPTS`."""
+        return max(2 * self.concurrency, PROBE_MIN_PROMPTS)
 
     def describe(self) -> str:
         return (f"{self.input_len} in / {self.output_len} out tokens, <= {self.concurrency} "
@@ -86,8 +89,8 @@ moderate load. The rates are over twice what the self-speculative pair serves on
 the faster host it has run on, so the queue at the client never empties and each arm's
 window, wherever it falls, runs at the cap (the expected tokens/s only size a phase when it
 was not probed). At 1.5 req/s, `low` on an AMD EPYC host, which served about 1.45 req/s
-at two in flight, ran out of queued requests 65-85 s in, inside TableTune's measured window
-only (the other arms are measured from 5 s in)."""
+at two in flight, ran out of queued requests 65-85 s in: a lull the arms' windows caught
+unequally."""
 
 SWING_PHASES = (
     Phase("one", 64, 96, 1, 3.0, 20.0, 1),

@@ -34,8 +34,12 @@ class ControlProcess:
     """Runs `tabletune --verbose control --decisions FILE` with `env` until the block ends."""
 
     def __init__(self, env: Mapping[str, str], work_dir: Path,
-                 args: Sequence[str] = (), ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 args: Sequence[str] = (), ready_timeout_s: float = READY_TIMEOUT_S,
+                 niceness: int = 0) -> None:
         self.env = {**os.environ, **env}
+        self.niceness = niceness
+        """Added to the service's nice value: where it shares the cores of the server it
+        tunes, which a deployment would not, it takes what the server leaves."""
         self.ready_timeout_s = ready_timeout_s
         """Longer where it starts beside a vLLM server's start-up (three processes importing
         torch on the same cores)."""
@@ -53,6 +57,8 @@ class ControlProcess:
                 [sys.executable, "-m", "tabletune.cli", "--verbose", "control",
                  "--decisions", str(self.decisions_path), *self.args],
                 env=self.env, stdout=summary, stderr=log)
+        if self.niceness:  # before the interpreter starts its threads, which inherit it
+            os.setpriority(os.PRIO_PROCESS, self._process.pid, self.niceness)
         deadline = time.monotonic() + self.ready_timeout_s
         while "ready:" not in self.log_path.read_text():
             if self._process.poll() is not None or time.monotonic() > deadline:

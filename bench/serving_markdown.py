@@ -98,12 +98,12 @@ def _whole_run(result: dict[str, Any]) -> list[str]:
     run = result["comparison"]["whole_run"]
     if not run:
         return []
-    first_s = result["setup"].get("first_table_s", 0.0)
-    cold = run["with_cold_profile_tok_s"]
-    cold_best = max(cold[a] or 0.0 for a in cold if a.startswith("fixed:"))
+    cold, cold_best = run["with_cold_profile_tok_s"], run["with_cold_profile_best_tok_s"]
+    first = (f"TableTune's first table ({result['setup']['first_table_s']:g} s into the "
+             "first phase, the median of its repeats)" if "tabletune" in result["arms"]
+             else "the first table (no `tabletune` arm: the first second)")
     lines = ["Whole run (the same work, every phase's tokens, at each arm's per-phase rates), "
-             f"every second from TableTune's first table ({first_s:g} s into the first "
-             "phase, the median of its repeats), and from the first second: best single "
+             f"every second from {first}, and from the first second: best single "
              f"fixed K `{run['best_fixed']}` at {run['best_fixed_tok_s']:.1f} tok/s; "
              "headroom (each phase at its own best fixed K, over the best single one) "
              f"{run['headroom']:.3f}.", "",
@@ -113,7 +113,8 @@ def _whole_run(result: dict[str, Any]) -> list[str]:
     for arm in ordered(result["arms"]):
         cells = []
         for rate, best in ((run["tok_s"][arm], run["best_fixed_tok_s"]), (cold[arm], cold_best)):
-            cells += ["--", "--"] if rate is None else [f"{rate:.1f}", f"{rate / best:.3f}"]
+            cells += (["--", "--"] if rate is None or not best
+                      else [f"{rate:.1f}", f"{rate / best:.3f}"])
         lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
     return lines + [""]
 

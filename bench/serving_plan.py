@@ -5,7 +5,7 @@ at a rate above what the server can take, capped at a concurrency, so the server
 that concurrency and output throughput depends on the table. Every arm runs the same
 requests: vLLM's random dataset draws every prompt's lengths in one batch from `--seed`,
 so the prompt count decides which requests come, and each phase's count is set once, by
-the first arm's probe (a short client run before the phase), for the phase's length in
+the probe of the first arm to run (a short client run before the phase), for the phase's length in
 seconds (lead-in + measured window + drain) at `SIZE_MARGIN` times the probed speed. An arm
 up to that much faster than the first still fills its window; a slower one runs longer on
 the same work. The first arm should be a middle K: a probe at K0 (half the speed of K4 at

@@ -107,6 +107,7 @@ def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict
     cold = {a: whole(a, "undrained_tok_s") for a in arms}
     run["with_cold_profile_tok_s"] = cold
     cold_best = max((cold[a] for a in fixed if cold[a] is not None), default=None)
+    run["with_cold_profile_best_tok_s"] = cold_best
     if "tabletune" in arms and cold["tabletune"] and cold_best:
         run["tabletune_with_cold_profile_ratio"] = round(cold["tabletune"] / cold_best, 3)
     out["whole_run"] = run

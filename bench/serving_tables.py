@@ -60,16 +60,18 @@ def first_table_s(histories: list[dict[str, Any]]) -> float:
 
 
 def short_windows(arms: dict[str, dict[str, Any]], measure_s: float) -> list[str]:
-    """Measured windows under SHORT_WINDOW of `measure_s`: the arm outran the phase's
-    sizing, so its score rests on fewer seconds than asked."""
+    """Measured (and counted) windows under SHORT_WINDOW of `measure_s`: the arm outran the
+    phase's sizing, so its score rests on fewer seconds than asked."""
     short = []
     for arm, entry in arms.items():
         for repeat in entry["repeats"]:
             for phase, telemetry in repeat["telemetry"].items():
-                seconds = telemetry["measured"]["seconds"]
-                if seconds < SHORT_WINDOW * measure_s:
-                    short.append(f"{arm} repeat {repeat['repeat']}: {phase} was measured over "
-                                 f"{seconds:.0f} s of {measure_s:g} (put a faster arm first)")
+                for window in ("measured", "counted"):
+                    seconds = telemetry[window]["seconds"]
+                    if seconds < SHORT_WINDOW * measure_s:
+                        short.append(f"{arm} repeat {repeat['repeat']}: {phase}'s {window} "
+                                     f"window was {seconds:.0f} s, under {measure_s:g} (put a "
+                                     "faster arm first)")
     return short
 
 

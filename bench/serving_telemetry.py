@@ -58,7 +58,7 @@ def phase_telemetry(steps: pl.DataFrame, phase: dict[str, Any], result: dict[str
     drained = max(end - drain_s, start)
 
     def from_(offset_s: float) -> dict[str, Any]:
-        begin = min(start + offset_s, drained)
+        begin = min(start + max(offset_s, 0.0), drained)
         return window_stats(steps, begin, drained)
 
     whole = window_stats(steps, start, end)

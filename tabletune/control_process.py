@@ -58,7 +58,9 @@ class ControlProcess:
                  "--decisions", str(self.decisions_path), *self.args],
                 env=self.env, stdout=summary, stderr=log)
         if self.niceness:  # before the interpreter starts its threads, which inherit it
-            os.setpriority(os.PRIO_PROCESS, self._process.pid, self.niceness)
+            pid = self._process.pid
+            os.setpriority(os.PRIO_PROCESS, pid,
+                           min(os.getpriority(os.PRIO_PROCESS, pid) + self.niceness, 19))
         deadline = time.monotonic() + self.ready_timeout_s
         while "ready:" not in self.log_path.read_text():
             if self._process.poll() is not None or time.monotonic() > deadline:

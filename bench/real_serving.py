@@ -56,10 +56,10 @@ ALL_ARMS = ["fixed:2", *(f"fixed:{k}" for k in FIXED_K if k != 2), "static", "ta
 """A middle K first: the first arm's probe sizes every arm's phases (serving_plan)."""
 DEFAULTS = {
     # per phase: (lead-in + measured window + drain, a request's latency of ~1-5 s) x
-    # SIZE_MARGIN at the probe's speed, and a server start (~25-55 s) per arm; every arm twice, 14 servers: one
-    # sample of a fixed K swung 10-14% against its twin load in another run (K1 at 16 in
-    # flight: 392 and 445 tok/s), more than the K differ. The lead-in is where the bar
-    # starts (30 s into a phase)
+    # SIZE_MARGIN at the probe's speed, and a server start (~25-55 s) per arm; every arm
+    # twice, 14 servers: one sample of a fixed K swung 10-14% against its twin load in
+    # another run (K1 at 16 in flight: 392 and 445 tok/s), more than the K differ. The
+    # lead-in is where the bar starts (30 s into a phase)
     "full": {"arms": ALL_ARMS, "repeats": 2, "fixed_repeats": 2, "measure_s": 30.0,
              "lead_s": 30.0, "refit_s": 30.0},
     "quick": {"arms": ["fixed:2", "tabletune"], "repeats": 1, "fixed_repeats": 1,

@@ -115,13 +115,12 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
                                     hold_s=MAX_FORCE_S - 60, issued_by="bench.real_serving"))
     server = Server(setup, run.table if stock else ctx.startup_table, free_port(), env,
                     run_dir / "server.log", hook=not stock)
-    lead_s, measure_s = ctx.lead_s, ctx.measure_s
     plan = []
     for i, phase in enumerate(ctx.phases):
         common = {"base_url": server.url, "model": setup.served_name,
                   "tokenizer": str(setup.target), "result_dir": str(run_dir / "client")}
         speed = ctx.speeds.get(phase.name)
-        seconds = phase_seconds(lead_s, measure_s, speed)
+        seconds = phase_seconds(ctx.lead_s, ctx.measure_s, speed)
         probe = ctx.probe and phase.name not in ctx.prompts
         if not ctx.probe:
             ctx.prompts.setdefault(phase.name, phase.num_prompts(seconds))
@@ -134,7 +133,8 @@ def run_arm(ctx: ArmContext, slot: Slot) -> ArmRun:
             entry["probe"] = {"argv": client_argv(phase, prompts=phase.probe_prompts,
                                                   result_file=None, warmups=int(i == 0),
                                                   **common),
-                              "phase": asdict(phase), "lead_s": lead_s, "measure_s": measure_s}
+                              "phase": asdict(phase), "lead_s": ctx.lead_s,
+                              "measure_s": ctx.measure_s}
         plan.append(entry)
         run.phases.append({"name": phase.name, "target_s": seconds,
                            "result_file": f"{phase.name}.json"})

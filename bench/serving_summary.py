@@ -82,7 +82,7 @@ def comparisons(arms: dict[str, dict[str, Any]], phase_names: list[str]) -> dict
     work = {p: float(statistics.median(r["phases"][p]["total_output_tokens"]
                                        for r in reference["repeats"])) for p in phase_names}
 
-    def whole(arm: str, kind: str = "measured_tok_s") -> float | None:
+    def whole(arm: str, kind: str) -> float | None:
         """None when a phase has no rate (shorter than its lead-in)."""
         if any(rate(arm, p, kind) <= 0 for p in phase_names):
             return None

@@ -108,10 +108,10 @@ class GuardrailConfig:
     `after_drift`: the refit at the end of a re-profile, compared with the stale table's
     settling stretch, the one window of it in the new regime; and to its follow-up's
     (`settling`), whose baseline lies in the same trend (twin, EAGLE 16 -> 64 users, seed
-    62: K3, 1.5% better, rolled back to K4 at 0.911, 88 s after the jump). Between that and the watch the
-    traffic's own wander moves goodput by a level that no watch length averages away, and
-    without it a sound pick is rolled back to the table just called stale. 0 = compare as
-    any other swap."""
+    62: K3, 1.5% better, rolled back to K4 at 0.911, 88 s after the jump). Between that and
+    the watch the traffic's own wander moves goodput by a level that no watch length
+    averages away, and without it a sound pick is rolled back to the table just called
+    stale. 0 = compare as any other swap."""
 
     def __post_init__(self) -> None:
         check_bounds(self, threshold=in_range(0, 1, low_open=True, high_open=True),

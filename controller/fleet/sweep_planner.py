@@ -49,6 +49,12 @@ PROBE_MEASURED_STEPS = 20
 """Steps at a K, within the drift detector's coverage factor of the load running, that
 price it there without a block (a probe's own block at it always does)."""
 
+PROBE_RUN_S = 1.0
+"""A probe's block at a K runs in stretches this long, each followed by as long at the
+table, the probed K taking turns: the probed K and the table's share the same seconds. On
+the 2-core host every step ran 15-45% slower for 1-12 s at a time; a 3 s block of K1 fell in
+such a spell and read 0.89 of K2, where K1 ran 5% ahead (docs/TUNING.md)."""
+
 PROBE_LONGEST_S = 120.0
 """A one-engine key's probe waits at most this long after the drift for its refit's
 steps (`_probe_waits`; a slow engine runs its table meanwhile, unforced); then the loop goes
@@ -148,25 +154,17 @@ class SweepPlanner:
     def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
         """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
-        firing is refitted without), then the table until the refit has its steps."""
+        firing is refitted without), in runs between the table's (`interleaved`), then the
+        table until the refit has its steps."""
         cfg = self.config
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
-        blocks: list[int | None] = [None]
-        lengths = [cfg.reprofile_settle_s]
-        for k in wanted:
-            block_s = self.budget.grant(now_s + float(np.sum(lengths)), cfg.probe_block_s)
-            if block_s:
-                blocks.append(k)
-                lengths.append(block_s)
-        if len(blocks) > 1:  # the last stretch (the table again) is open-ended
-            blocks.append(None)
-            lengths.append(0.0)
-        self.sweep = Sweep(blocks, lengths, now_s, fit_since_s=now_s, restarted=restarted,
-                           probe=True)
-        forced = [k for k in blocks if k is not None]
+        granted = self._granted(wanted, now_s + cfg.reprofile_settle_s)
+        blocks, lengths = interleaved(granted)
+        self.sweep = Sweep([None, *blocks], [cfg.reprofile_settle_s, *lengths], now_s,
+                           fit_since_s=now_s, restarted=restarted, probe=True)
         self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
-                            probe_k=forced, probe_s=round(float(np.sum(lengths[1:])), 2))
+                            **_probe_fields(granted))
         return True
 
     def ran_largest_k(self, now_s: float, since_s: float) -> bool:
@@ -271,8 +269,9 @@ class SweepPlanner:
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
         """Whether the probe climbs: blocks at the K a fit would run at the probe's load,
         and at that K's neighbours, that the load has too few steps of and the forced
-        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`; the first
-        may run up to a tick short, its wait being the open-ended stretch before it."""
+        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`, in runs
+        between the table's; the first may run up to a tick short, its wait being the
+        open-ended stretch before it."""
         if sweep.climbs >= PROBE_NEIGHBOURS:
             return False
         sweep.climbs += 1
@@ -291,11 +290,11 @@ class SweepPlanner:
         added = self._granted(self._unmeasured_near(since, sweep, chosen, median), now_s)
         if not added:
             return False
-        sweep.blocks += [k for k, _ in added] + [None]
-        sweep.block_s += [length for _, length in added] + [0.0]
+        blocks, lengths = interleaved(added)
+        sweep.blocks += blocks
+        sweep.block_s += lengths
         self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen,
-                            batch=round(median, 1), probe_k=[k for k, _ in added],
-                            probe_s=round(sum(length for _, length in added), 2))
+                            batch=round(median, 1), **_probe_fields(added))
         return True
 
     def _fit_choice(self, records: pa.Table, now_s: float, batch_size: int, *, reason: str,
@@ -326,8 +325,8 @@ class SweepPlanner:
 
     def _granted(self, wanted: list[int] | tuple[int, ...], now_s: float
                  ) -> list[tuple[int, float]]:
-        """(K, seconds) of each of `wanted`, back to back from `now_s`, as far as the forced
-        budget grants them."""
+        """(K, seconds) of each of `wanted`, counted back to back from `now_s`, as far as
+        the forced budget grants them."""
         granted, start_s = [], now_s
         for k in wanted:
             block_s = self.budget.grant(start_s, self.config.probe_block_s)
@@ -432,3 +431,29 @@ class SweepPlanner:
         median = int(np.median(records.column("batch_size").to_numpy()))
         return self._fit_choice(records, now_s, median, reason="confirm", half_life_s=None,
                                 tolerance=0.0)
+
+
+def interleaved(granted: list[tuple[int, float]], run_s: float = PROBE_RUN_S
+                ) -> tuple[list[int | None], list[float]]:
+    """Blocks and their lengths for `granted` (K, seconds): each K's seconds cut into runs
+    of about `run_s`, the K taking turns, each run followed by as long at the table (None)
+    and the last by the table, open-ended (0 s). Nothing granted: no block."""
+    if not granted:
+        return [], []
+    runs = [(k, max(1, round(seconds / run_s))) for k, seconds in granted]
+    turns = [(k, seconds / count) for turn in range(max(count for _, count in runs))
+             for (k, count), (_, seconds) in zip(runs, granted, strict=True) if turn < count]
+    blocks: list[int | None] = []
+    lengths: list[float] = []
+    for k, length in turns:
+        blocks += [k, None]
+        lengths += [length, length]
+    lengths[-1] = 0.0
+    return blocks, lengths
+
+
+def _probe_fields(granted: list[tuple[int, float]]) -> dict[str, object]:
+    """A probe decision's account of its forcing: the K, their seconds, the runs."""
+    return {"probe_k": [k for k, _ in granted],
+            "probe_s": round(sum(seconds for _, seconds in granted), 2),
+            "runs": len(interleaved(granted)[0]) // 2}

@@ -16,7 +16,12 @@ from controller.fleet.forced_budget import FORCED_WINDOW_S
 from controller.fleet.loop import UNMEASURED_SPAN_S
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
-from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS
+from controller.fleet.sweep_planner import (
+    PROBE_LONGEST_S,
+    PROBE_NEIGHBOURS,
+    PROBE_RUN_S,
+    interleaved,
+)
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
 from twin import EngineConfig, FixedK, PhaseConfig, Scenario, StaticTable, run_scenario
@@ -120,10 +125,10 @@ def test_after_a_load_jump_tabletune_runs_near_the_best_fixed_k() -> None:
 
 def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     """The load moved (16 -> 128 users): every K's cost at 128 is unmeasured, so the probe
-    forces the largest K and then the smallest, one short block each, beside the table's own
-    K in the settling stretch. Then it climbs: where a fit of those steps picks a K that, or
-    whose neighbours, the new load has too few steps of, one short block at each, never a K
-    it forced before."""
+    forces the largest K and the smallest, one short block each, beside the table's own K in
+    the settling stretch. Then it climbs: where a fit of those steps picks a K that, or whose
+    neighbours, the new load has too few steps of, one short block at each, never a K it
+    forced before. Each block runs in turns of about a second between the table's."""
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
         PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
                     prompt_len=355, output_len=300),
@@ -142,18 +147,23 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
     k_next = records.column("k_next").to_numpy()
     during = np.flatnonzero((ts >= reprofile.t_s) & (ts < refit.t_s) & forced)
+    breaks = (np.diff(during) != 1) | (np.diff(k_next[during]) != 0)
     runs = [(int(k_next[run[0]]), float(ts[run[-1]] - ts[run[0]]))
-            for run in np.split(during, np.flatnonzero(np.diff(k_next[during]) != 0) + 1)
+            for run in np.split(during, np.flatnonzero(breaks) + 1)
             if run.size >= 5]  # not a lone exploration probe
     climbs = [d for d in decisions if d.what == "probe_neighbours"
               and reprofile.t_s < d.t_s < refit.t_s]
     assert 1 <= len(climbs) <= PROBE_NEIGHBOURS, decisions  # K7 and K0 leave K2-K3 unmeasured
     climbed = [k for d in climbs for k in d.fields["probe_k"]]
-    assert [k for k, _ in runs] == [7, 0, *climbed], (runs, climbs)
+    turns = [k for d in (reprofile, *climbs) for k in interleaved(
+        [(k, config.probe_block_s) for k in d.fields["probe_k"]])[0] if k is not None]
+    assert [k for k, _ in runs] == turns, (runs, climbs)
+    assert turns[:2] == [7, 0] and len(runs) == sum(d.fields["runs"] for d in (reprofile, *climbs))
     assert len(set(climbed) | {7, 0}) == len(climbed) + 2, climbs
     for climb in climbs:  # the pick or its neighbours
         assert all(abs(k - climb.fields["chosen"]) <= 1 for k in climb.fields["probe_k"])
-    assert all(seconds <= config.probe_block_s + 1.0 for _, seconds in runs), runs
+    # the release goes out at the first control tick (1 s here) after a run's end
+    assert all(seconds <= PROBE_RUN_S + 1.0 for _, seconds in runs), runs
     granted = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
     assert granted <= config.probe_share * FORCED_WINDOW_S + 1e-9  # the budget's ten minutes
 
@@ -414,12 +424,14 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
     climbs = [d for d in decisions if d.what == "probe_neighbours"
               and reprofile.t_s < d.t_s <= refit.t_s]
     assert 1 <= len(climbs) <= PROBE_NEIGHBOURS, decisions
-    climbed = [k for d in climbs for k in d.fields["probe_k"]]
     # the steps since the drift hold a fit's worth of requests when the blocks end (three
     # steps a second of 16 requests): no wait for 200 steps, a tick per block at most
-    blocks_s = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
+    planned = [interleaved([(k, config.probe_block_s) for k in d.fields["probe_k"]])
+               for d in (reprofile, *climbs)]
+    blocks_s = sum(sum(lengths) for _, lengths in planned)
     waited_s = refit.t_s - reprofile.t_s - config.reprofile_settle_s - blocks_s
-    assert waited_s <= 1.0 + len(climbed) + 2.0, (waited_s, decisions)
+    assert waited_s <= 1.0 + sum(len(blocks) for blocks, _ in planned) + 2.0, (waited_s,
+                                                                               decisions)
 
     records = sink.table()
     ts = records.column("ts_ns").to_numpy() / 1e9
@@ -429,10 +441,14 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
     breaks = (np.diff(during) != 1) | (np.diff(k_next[during]) != 0)
     runs = [run for run in np.split(during, np.flatnonzero(breaks) + 1)
             if run.size >= 3]  # not a lone exploration probe
-    assert [int(k_next[run[0]]) for run in runs] == [7, *climbed], k_next[during]
+    turns = [k for d in (reprofile, *climbs) for k in interleaved(
+        [(k, config.probe_block_s) for k in d.fields["probe_k"]])[0] if k is not None]
+    assert [int(k_next[run[0]]) for run in runs] == turns, k_next[during]
+    assert turns[:3] == [7, 7, 7], turns  # turns between the table's
     assert during.size - sum(run.size for run in runs) <= 2, k_next[during]  # lone probes
-    # the release goes out at the first control tick (1 s here) after a block's end
-    assert all(ts[run[-1]] - ts[run[0]] <= config.probe_block_s + 1.0 for run in runs)
+    # the force and the release go out at control ticks (1 s here): a run spans two at most
+    assert all(ts[run[-1]] - ts[run[0]] <= PROBE_RUN_S + 1.5 for run in runs), [
+        (int(k_next[run[0]]), ts[run[-1]] - ts[run[0]], run.size) for run in runs]
     after = ts >= policy.loop.applied[0][0]
     share = forced[after].mean()
     assert share <= config.probe_share + config.exploration.share, share

@@ -125,9 +125,9 @@ def test_traffic_that_returns_is_recalled_not_profiled_again() -> None:
     assert "fast" not in before[reprofiles[0]].fields, decisions
     assert any(before[t].fields.get("fast") for t in recalls), decisions
     # a recalled table came from a whole sweep: only the periodic refits' gate may swap it
-    follow_ups = [d.t_s for d in decisions
-                  if d.what == "refit" and d.fields["reason"] == "follow_up"]
-    assert follow_ups and all(t < recalls[0] for t in follow_ups), decisions
+    since_recalled = {d.fields["reason"] for d in decisions if d.what == "refit"
+                      and d.t_s > recalls[0] and d.fields["reason"] != "recall"}
+    assert since_recalled == {"periodic"}, decisions
 
 
 def test_a_visit_of_a_few_seconds_recalls_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,7 @@ from controller.guardrail import Guardrail, Verdict
 from controller.status import StatusPublisher
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
+from fitter.steady_speed import at_steady_speed
 from schemas import DraftTable, TableControl, TableEnvelope
 
 __all__ = ["CHOSEN_AMONG_K", "OPERATOR_ACTIONS", "ClosedLoop", "Fit", "LoopState", "log"]
@@ -623,7 +624,7 @@ class ClosedLoop:
             judged = sweep.probe and not first and self._judge_probe
             self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s,
-                        judged=judged)
+                        judged=judged, steady=sweep.probe and not first)
             published = (self.agent.state.desired_version
                          if self.agent.state.newest_version > newest else None)
             if published is None and judged:
@@ -659,9 +660,11 @@ class ClosedLoop:
                k_values: tuple[int, ...] | None = None, steps_since_s: float | None = None,
                records_since_s: float | None = None, min_gain: float | None = None,
                gain_z: float | None = None, recalled: Regime | None = None,
-               judged: bool = False) -> bool:
+               judged: bool = False, steady: bool = False) -> bool:
         """Fit, derive, publish if forced or worth it (`min_gain`, `gain_z`: the config's by
         default); False when held back (a rollback's cooldown, a guardrail watch's hold).
+        `steady`: the fit reads the step times at the machine's steady speed
+        (`fitter.steady_speed`): a probe's, whose turns share the table's seconds.
         `judged` (with `force`): past those holds, but published only if worth it, else the
         running table settles (`_settle`) where its fit measured the load: a one-engine
         key's probe, whose fit of a slow engine's few steps can price K with errors as large
@@ -692,14 +695,15 @@ class ClosedLoop:
             fit_options["steps_since_ns"] = int(steps_since_s * 1e9)
         if not fittable(records):
             return True
+        timed = at_steady_speed(records) if steady else records
         version = self.agent.state.newest_version + 1
-        envelope = self.fitter(records, fit_s, reason=reason, version=version,
+        envelope = self.fitter(timed, fit_s, reason=reason, version=version,
                                half_life_s=None if fit_reason == "profile" else cfg.half_life_s,
                                tolerance=cfg.tolerance, k_values=k_values or self.k_values,
                                provenance={CHOSEN_AMONG_K: list(k_values)} if k_values else {},
                                **fit_options)
         if reason in SWEEP_REASONS:
-            self.knowledge.learn(records)
+            self.knowledge.learn(timed)
         if envelope is None:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)

@@ -27,6 +27,7 @@ from controller.fleet.sweep import (
 from controller.guardrail import Guardrail
 from controller.steps import StepColumns
 from controller.validation import EngineLimits
+from fitter.steady_speed import at_steady_speed
 from schemas import DraftTable
 
 MAX_PROFILE_STRETCH = 16
@@ -282,7 +283,7 @@ class SweepPlanner:
         median = float(np.median(since.column("batch_size").to_numpy()))
         # what a periodic refit reads (the window and the last sweep's records); the
         # probe's own refit then reads only the steps since the drift
-        chosen = self._fit_choice(records, now_s, round(median), reason="probe",
+        chosen = self._fit_choice(at_steady_speed(records), now_s, round(median), reason="probe",
                                   half_life_s=self.config.half_life_s,
                                   tolerance=self.config.tolerance)
         if chosen is None:

@@ -8,6 +8,7 @@ a sweep ends (its refit, the state it goes back to) is the loop's.
 from __future__ import annotations
 
 import enum
+from collections import deque
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +43,12 @@ with the K forced (docs/TUNING.md)."""
 
 PROBE_NEIGHBOURS = 3
 """Fits a probe makes, once its steps are in, of the K it would choose at the load running:
-each then runs a block at that K and at its neighbours where the load has too few steps of
-them. A step time is not a line in K: a 2-core CPU at 16 requests ran K0-K4 in 70, 90, 134,
-167 and 222 ms, and a fit of K0, K4 and the table's K priced K1 at 147 ms, so it kept K3
-where K1 led by 19%. Each climb moves one K from the last pick: three reach K1 from K4."""
+each then runs a block at that K and at its neighbours, and at the running table's K's
+neighbours, where the load has too few steps of them. A step time is not a line in K: a
+2-core CPU at 16 requests ran K0-K4 in 70, 90, 134, 167 and 222 ms, and a fit of K0, K4 and
+the table's K priced K1 at 147 ms, so it kept K3 where K1 led by 19%. Each climb moves one K
+from the last pick: three reach K1 from K4. The table's side too: a fit that picked K3 over
+the running K2 never measured K1, which led both by 5% (2-core host, 16 requests)."""
 PROBE_MEASURED_STEPS = 20
 """Steps at a K, within the drift detector's coverage factor of the load running, that
 price it there without a block (a probe's own block at it always does)."""
@@ -55,6 +58,9 @@ PROBE_RUN_S = 1.0
 table, the probed K taking turns: the probed K and the table's share the same seconds. On
 the 2-core host every step ran 15-45% slower for 1-12 s at a time; a 3 s block of K1 fell in
 such a spell and read 0.89 of K2, where K1 ran 5% ahead (docs/TUNING.md)."""
+
+TICKS_TIMED = 8
+"""The loop's last ticks whose spacing sizes a probe's turns (`SweepPlanner.run_s`)."""
 
 PROBE_LONGEST_S = 120.0
 """A one-engine key's probe waits at most this long after the drift for its refit's
@@ -105,6 +111,22 @@ class SweepPlanner:
         """The sweep running (None: none)."""
         self.budget = ForcedBudget(config.probe_share)
         """What a one-engine key's probe blocks may still force."""
+        self._ticks: deque[float] = deque(maxlen=TICKS_TIMED)
+        """When the loop last ticked: a turn ends at a tick, not at its planned end."""
+
+    def ticked(self, now_s: float) -> None:
+        """The loop ticked at `now_s`."""
+        self._ticks.append(now_s)
+
+    @property
+    def run_s(self) -> float:
+        """A probe's turn: PROBE_RUN_S, or two of the loop's ticks where they come further
+        apart (a slow engine's telemetry), so that a tick's lateness stretches a turn by
+        half at most: a twin engine at 4 steps a second ticked every 1-2 s, and its 1 s turns
+        ran 2 s, 5.2% of its steps forced where the budget grants 2.5%."""
+        if len(self._ticks) < 2:
+            return PROBE_RUN_S
+        return max(PROBE_RUN_S, 2.0 * float(np.median(np.diff(self._ticks))))
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -161,11 +183,11 @@ class SweepPlanner:
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
         granted = self._granted(wanted, now_s + cfg.reprofile_settle_s)
-        blocks, lengths = interleaved(granted)
+        blocks, lengths = interleaved(granted, self.run_s)
         self.sweep = Sweep([None, *blocks], [cfg.reprofile_settle_s, *lengths], now_s,
                            fit_since_s=now_s, restarted=restarted, probe=True)
         self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
-                            **_probe_fields(granted))
+                            **_probe_fields(granted, blocks))
         return True
 
     def ran_largest_k(self, now_s: float, since_s: float) -> bool:
@@ -288,14 +310,17 @@ class SweepPlanner:
                                   tolerance=self.config.tolerance)
         if chosen is None:
             return False
-        added = self._granted(self._unmeasured_near(since, sweep, chosen, median), now_s)
+        running = self.publisher.running_table().k_for(
+            int(np.clip(round(median), 1, self.limits.max_batch)))
+        added = self._granted(self._unmeasured_near(since, sweep, (chosen, running), median),
+                              now_s)
         if not added:
             return False
-        blocks, lengths = interleaved(added)
+        blocks, lengths = interleaved(added, self.run_s)
         sweep.blocks += blocks
         sweep.block_s += lengths
-        self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen,
-                            batch=round(median, 1), **_probe_fields(added))
+        self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen, running=running,
+                            batch=round(median, 1), **_probe_fields(added, blocks))
         return True
 
     def _fit_choice(self, records: pa.Table, now_s: float, batch_size: int, *, reason: str,
@@ -310,17 +335,21 @@ class SweepPlanner:
         chosen = envelope.table.k_for(int(np.clip(batch_size, 1, self.limits.max_batch)))
         return chosen if chosen in self.k_values else None
 
-    def _unmeasured_near(self, records: pa.Table, sweep: Sweep, chosen: int,
+    def _unmeasured_near(self, records: pa.Table, sweep: Sweep, centres: tuple[int, ...],
                          median: float) -> list[int]:
-        """`chosen` and the K below and above it, that `sweep` has not forced and that
-        `records` hold fewer than PROBE_MEASURED_STEPS steps of within the drift detector's
-        coverage factor of `median`."""
+        """Each of `centres` (the fit's pick, the running table's K) and the K below and
+        above it, that `sweep` has not forced and that `records` hold fewer than
+        PROBE_MEASURED_STEPS steps of within the drift detector's coverage factor of
+        `median`; the pick's first."""
         batch = records.column("batch_size").to_numpy()
         k = records.column("k").to_numpy()
         factor = self.config.drift.coverage_factor
         at_load = (batch >= median / factor) & (batch <= median * factor)
-        at = self.k_values.index(chosen)
-        near = self.k_values[max(0, at - 1):at + 2]
+        near: list[int] = []
+        for centre in centres:
+            if centre in self.k_values:
+                at = self.k_values.index(centre)
+                near += [v for v in self.k_values[max(0, at - 1):at + 2] if v not in near]
         return [value for value in near if value not in sweep.blocks
                 and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
 
@@ -453,8 +482,9 @@ def interleaved(granted: list[tuple[int, float]], run_s: float = PROBE_RUN_S
     return blocks, lengths
 
 
-def _probe_fields(granted: list[tuple[int, float]]) -> dict[str, object]:
-    """A probe decision's account of its forcing: the K, their seconds, the runs."""
+def _probe_fields(granted: list[tuple[int, float]], blocks: list[int | None]
+                  ) -> dict[str, object]:
+    """A probe decision's account of its forcing: the K, their seconds, the turns."""
     return {"probe_k": [k for k, _ in granted],
             "probe_s": round(sum(seconds for _, seconds in granted), 2),
-            "runs": len(interleaved(granted)[0]) // 2}
+            "runs": sum(k is not None for k in blocks)}

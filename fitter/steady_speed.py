@@ -1,11 +1,11 @@
 """Step times at the machine's steady speed: a shared slowness taken out before a fit.
 
 A CPU server does not run at one speed. On a 2-core host every step ran 15-45% slower for
-1-12 s at a time, whatever the K. A one-engine key's probe measures each K in turns of a
-second between the table's own steps, so a spell that falls on the probed K's turns falls on
-the table's beside them too. Fitted as they came, the probed K carries the spell alone: a
-probe at 16 requests read K1 at 62 ms a step where K1's servers ran 48-54 ms, and kept K2,
-5% slower than K1.
+1-12 s at a time, whatever the K. A one-engine key's probe measures each K in a block of a
+few seconds with the table's own steps on both sides, so a spell that falls on the probed
+K's block falls on the table's steps beside it too. Fitted as they came, the probed K
+carries the spell alone: a probe at 16 requests read K1 at 62 ms a step where K1's servers
+ran 48-54 ms, and kept K2, 5% slower than K1.
 
 The table's own steady steps (unforced, no prefill, the K it verifies the K it drafts) are
 the reference: each is timed against the median of its batch size and K over the records,
@@ -21,8 +21,9 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 SPEED_SPAN_S = 2.0
-"""Reference steps this close (either side) time a step: a probe's turns are 1 s, so the
-table's turns on both sides of each are in, and a spell (1-12 s) is longer."""
+"""Reference steps this close (either side) time a step: the middle of a probe's 3 s block
+still reaches half a second of the table's steps on each side, and a spell (1-12 s) is
+longer than the span."""
 
 MIN_REFERENCE_STEPS = 3
 """Fewer reference steps than this within the span say nothing about the speed: one step's

@@ -371,7 +371,6 @@ class ClosedLoop:
     def tick(self, now_s: float, records: pa.Table | None) -> None:
         """Once per control interval with the records recorded since the last tick."""
         self.clock_s = now_s
-        self.planner.ticked(now_s)
         if records is not None and records.num_rows:
             records = self.window.note_engines(records, now_s, only=self.planner.targets)
         if records is not None and records.num_rows:

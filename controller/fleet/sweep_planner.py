@@ -8,7 +8,6 @@ a sweep ends (its refit, the state it goes back to) is the loop's.
 from __future__ import annotations
 
 import enum
-from collections import deque
 
 import numpy as np
 import pyarrow as pa
@@ -52,15 +51,6 @@ the running K2 never measured K1, which led both by 5% (2-core host, 16 requests
 PROBE_MEASURED_STEPS = 20
 """Steps at a K, within the drift detector's coverage factor of the load running, that
 price it there without a block (a probe's own block at it always does)."""
-
-PROBE_RUN_S = 1.0
-"""A probe's block at a K runs in stretches this long, each followed by as long at the
-table, the probed K taking turns: the probed K and the table's share the same seconds. On
-the 2-core host every step ran 15-45% slower for 1-12 s at a time; a 3 s block of K1 fell in
-such a spell and read 0.89 of K2, where K1 ran 5% ahead (docs/TUNING.md)."""
-
-TICKS_TIMED = 8
-"""The loop's last ticks whose spacing sizes a probe's turns (`SweepPlanner.run_s`)."""
 
 PROBE_LONGEST_S = 120.0
 """A one-engine key's probe waits at most this long after the drift for its refit's
@@ -111,22 +101,6 @@ class SweepPlanner:
         """The sweep running (None: none)."""
         self.budget = ForcedBudget(config.probe_share)
         """What a one-engine key's probe blocks may still force."""
-        self._ticks: deque[float] = deque(maxlen=TICKS_TIMED)
-        """When the loop last ticked: a turn ends at a tick, not at its planned end."""
-
-    def ticked(self, now_s: float) -> None:
-        """The loop ticked at `now_s`."""
-        self._ticks.append(now_s)
-
-    @property
-    def run_s(self) -> float:
-        """A probe's turn: PROBE_RUN_S, or two of the loop's ticks where they come further
-        apart (a slow engine's telemetry), so that a tick's lateness stretches a turn by
-        half at most: a twin engine at 4 steps a second ticked every 1-2 s, and its 1 s turns
-        ran 2 s, 5.2% of its steps forced where the budget grants 2.5%."""
-        if len(self._ticks) < 2:
-            return PROBE_RUN_S
-        return max(PROBE_RUN_S, 2.0 * float(np.median(np.diff(self._ticks))))
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -177,17 +151,17 @@ class SweepPlanner:
     def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
         """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
         that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
-        firing is refitted without), in runs between the table's (`interleaved`), then the
-        table until the refit has its steps."""
+        firing is refitted without), each followed by as long at the table (`alternated`),
+        then the table until the refit has its steps."""
         cfg = self.config
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
         granted = self._granted(wanted, now_s + cfg.reprofile_settle_s)
-        blocks, lengths = interleaved(granted, self.run_s)
+        blocks, lengths = alternated(granted)
         self.sweep = Sweep([None, *blocks], [cfg.reprofile_settle_s, *lengths], now_s,
                            fit_since_s=now_s, restarted=restarted, probe=True)
         self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
-                            **_probe_fields(granted, blocks))
+                            **_probe_fields(granted))
         return True
 
     def ran_largest_k(self, now_s: float, since_s: float) -> bool:
@@ -292,9 +266,9 @@ class SweepPlanner:
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
         """Whether the probe climbs: blocks at the K a fit would run at the probe's load,
         and at that K's neighbours, that the load has too few steps of and the forced
-        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`, in runs
-        between the table's; the first may run up to a tick short, its wait being the
-        open-ended stretch before it."""
+        budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`, the table
+        between them; the first may run up to a tick short, its wait being the open-ended
+        stretch before it."""
         if sweep.climbs >= PROBE_NEIGHBOURS:
             return False
         sweep.climbs += 1
@@ -316,11 +290,11 @@ class SweepPlanner:
                               now_s)
         if not added:
             return False
-        blocks, lengths = interleaved(added, self.run_s)
+        blocks, lengths = alternated(added)
         sweep.blocks += blocks
         sweep.block_s += lengths
         self.decisions.note(now_s, What.PROBE_NEIGHBOURS, chosen=chosen, running=running,
-                            batch=round(median, 1), **_probe_fields(added, blocks))
+                            batch=round(median, 1), **_probe_fields(added))
         return True
 
     def _fit_choice(self, records: pa.Table, now_s: float, batch_size: int, *, reason: str,
@@ -463,28 +437,22 @@ class SweepPlanner:
                                 tolerance=0.0)
 
 
-def interleaved(granted: list[tuple[int, float]], run_s: float = PROBE_RUN_S
-                ) -> tuple[list[int | None], list[float]]:
-    """Blocks and their lengths for `granted` (K, seconds): each K's seconds cut into runs
-    of about `run_s`, the K taking turns, each run followed by as long at the table (None)
-    and the last by the table, open-ended (0 s). Nothing granted: no block."""
-    if not granted:
-        return [], []
-    runs = [(k, max(1, round(seconds / run_s))) for k, seconds in granted]
-    turns = [(k, seconds / count) for turn in range(max(count for _, count in runs))
-             for (k, count), (_, seconds) in zip(runs, granted, strict=True) if turn < count]
+def alternated(granted: list[tuple[int, float]]) -> tuple[list[int | None], list[float]]:
+    """Blocks and their lengths for `granted` (K, seconds): each K's block followed by as
+    long at the table (None), the last by the table open-ended (0 s), so that every forced
+    step has the table's own steps within a block's length (`fitter.steady_speed`).
+    Nothing granted: no block."""
     blocks: list[int | None] = []
     lengths: list[float] = []
-    for k, length in turns:
+    for k, seconds in granted:
         blocks += [k, None]
-        lengths += [length, length]
-    lengths[-1] = 0.0
+        lengths += [seconds, seconds]
+    if lengths:
+        lengths[-1] = 0.0
     return blocks, lengths
 
 
-def _probe_fields(granted: list[tuple[int, float]], blocks: list[int | None]
-                  ) -> dict[str, object]:
-    """A probe decision's account of its forcing: the K, their seconds, the turns."""
+def _probe_fields(granted: list[tuple[int, float]]) -> dict[str, object]:
+    """A probe decision's account of its forcing: the K and their seconds."""
     return {"probe_k": [k for k, _ in granted],
-            "probe_s": round(sum(seconds for _, seconds in granted), 2),
-            "runs": sum(k is not None for k in blocks)}
+            "probe_s": round(sum(seconds for _, seconds in granted), 2)}

@@ -16,12 +16,7 @@ from controller.fleet.forced_budget import FORCED_WINDOW_S
 from controller.fleet.loop import UNMEASURED_SPAN_S
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.sweep import confirmation_k_values, first_position_acceptance
-from controller.fleet.sweep_planner import (
-    PROBE_LONGEST_S,
-    PROBE_NEIGHBOURS,
-    PROBE_RUN_S,
-    interleaved,
-)
+from controller.fleet.sweep_planner import PROBE_LONGEST_S, PROBE_NEIGHBOURS, alternated
 from schemas import DraftTable
 from tabletune.profile_twin import MemorySink
 from twin import EngineConfig, FixedK, PhaseConfig, Scenario, StaticTable, run_scenario
@@ -124,11 +119,9 @@ def test_after_a_load_jump_tabletune_runs_near_the_best_fixed_k() -> None:
 
 
 def _planned(decision: Any, config: LoopConfig) -> tuple[list[int | None], list[float]]:
-    """The blocks and lengths a probe decision planned (`sweep_planner.interleaved`), from
-    the K, seconds and turns it names (the budget granted every block in full here)."""
-    ks = decision.fields["probe_k"]
-    run_s = decision.fields["probe_s"] / decision.fields["runs"] if ks else PROBE_RUN_S
-    return interleaved([(k, config.probe_block_s) for k in ks], run_s)
+    """The blocks and lengths a probe decision planned (`sweep_planner.alternated`; the
+    budget granted every block in full here)."""
+    return alternated([(k, config.probe_block_s) for k in decision.fields["probe_k"]])
 
 
 def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
@@ -136,8 +129,7 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     forces the largest K and the smallest, one short block each, beside the table's own K in
     the settling stretch. Then it climbs: where a fit of those steps picks a K that, or whose
     neighbours, the new load has too few steps of, one short block at each, never a K it
-    forced before. Each block runs in turns between the table's, two ticks long at least
-    (the twin ticks every second: here, one turn)."""
+    forced before. The table runs as long as each block after it."""
     scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=256), phases=(
         PhaseConfig(name="c16", duration_s=90, concurrency=16, acceptance=EAGLE,
                     prompt_len=355, output_len=300),
@@ -166,13 +158,13 @@ def test_after_a_load_jump_a_one_engine_key_probes_both_ends_of_k() -> None:
     climbed = [k for d in climbs for k in d.fields["probe_k"]]
     turns = [k for d in (reprofile, *climbs) for k in _planned(d, config)[0] if k is not None]
     assert [k for k, _ in runs] == turns, (runs, climbs)
-    assert turns[:2] == [7, 0] and len(runs) == sum(d.fields["runs"] for d in (reprofile, *climbs))
+    assert turns[:2] == [7, 0], turns
     assert len(set(climbed) | {7, 0}) == len(climbed) + 2, climbs
     for climb in climbs:  # the pick's neighbours, or the running table's
         assert all(min(abs(k - climb.fields["chosen"]), abs(k - climb.fields["running"])) <= 1
                    for k in climb.fields["probe_k"]), climb
-    # the release goes out at the first control tick (1 s here) after a run's end
-    assert all(seconds <= _planned(reprofile, config)[1][0] + 1.0 for _, seconds in runs), runs
+    # the release goes out at the first control tick (1 s here) after a block's end
+    assert all(seconds <= config.probe_block_s + 1.0 for _, seconds in runs), runs
     granted = reprofile.fields["probe_s"] + sum(d.fields["probe_s"] for d in climbs)
     assert granted <= config.probe_share * FORCED_WINDOW_S + 1e-9  # the budget's ten minutes
 
@@ -452,8 +444,8 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
     turns = [k for blocks, _ in planned for k in blocks if k is not None]
     assert [int(k_next[run[0]]) for run in runs] == turns, k_next[during]
     assert during.size - sum(run.size for run in runs) <= 2, k_next[during]  # lone probes
-    # a slow engine's telemetry ticks the loop every 1-2 s: a turn lasts two ticks at least,
-    # so one turn of the 3 s here, and the release comes at the first tick after its end
+    # a slow engine's telemetry ticks the loop every 1-2 s: the release comes at the first
+    # tick after a block's end
     assert all(ts[run[-1]] - ts[run[0]] <= config.probe_block_s + 1.5 for run in runs), [
         (int(k_next[run[0]]), ts[run[-1]] - ts[run[0]], run.size) for run in runs]
     after = ts >= policy.loop.applied[0][0]

@@ -1,5 +1,5 @@
 """Step times at the machine's steady speed: a slow spell shared by the table's steps and a
-probe's turns is taken out of both."""
+probe's blocks is taken out of both."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ STEP_S = {1: 0.050, 2: 0.066}
 
 def _probe(spell: tuple[float, float] | None, slowdown: float = 1.35, seed: int = 0
            ) -> pa.Table:
-    """40 s at 16 requests: the table's K2, and from 20 s on K1 in 1 s turns between the
-    table's 1 s turns; every step `slowdown` times slower inside `spell`; 2% step noise."""
+    """40 s at 16 requests: the table's K2, and from 20 s on K1 in 3 s blocks with 3 s of the
+    table between them; every step `slowdown` times slower inside `spell`; 2% step noise."""
     rng = np.random.default_rng(seed)
     ts, k, forced, latency = [], [], [], []
     now = 0.0
     while now < 40.0:
-        probing = now >= 20.0 and int(now) % 2 == 0
+        probing = now >= 20.0 and now % 6.0 < 3.0
         value = 1 if probing else 2
         cost = STEP_S[value] * rng.normal(1.0, 0.02)
         if spell is not None and spell[0] <= now < spell[1]:
@@ -47,8 +47,8 @@ def _median_step_s(records: pa.Table, k: int) -> float:
     return float(np.median(values[records.column("k").to_numpy() == k]))
 
 
-def test_a_spell_over_the_probes_turns_is_taken_out_of_them() -> None:
-    """The spell covers every K1 turn and half the table's K2 steps: as measured, a K1 step
+def test_a_spell_over_the_probes_blocks_is_taken_out_of_them() -> None:
+    """The spell covers every K1 block and half the table's K2 steps: as measured, a K1 step
     costs about what a K2 step does; at steady speed it costs its own 0.76 of one again."""
     records = _probe(spell=(19.0, 41.0))
     raw = _median_step_s(records, 1) / _median_step_s(records, 2)

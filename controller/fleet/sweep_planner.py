@@ -42,8 +42,8 @@ with the K forced (docs/TUNING.md)."""
 
 PROBE_NEIGHBOURS = 3
 """Fits a probe makes, once its steps are in, of the K it would choose at the load running:
-each then runs a block at that K and at its neighbours, and at the running table's K's
-neighbours, where the load has too few steps of them. A step time is not a line in K: a
+each then runs a block at that K and at its neighbours (and, where the pick is next to the
+running table's K, at that K's neighbours), where the load has too few steps of them. A step time is not a line in K: a
 2-core CPU at 16 requests ran K0-K4 in 70, 90, 134, 167 and 222 ms, and a fit of K0, K4 and
 the table's K priced K1 at 147 ms, so it kept K3 where K1 led by 19%. Each climb moves one K
 from the last pick: three reach K1 from K4. The table's side too: a fit that picked K3 over
@@ -286,8 +286,11 @@ class SweepPlanner:
             return False
         running = self.publisher.running_table().k_for(
             int(np.clip(round(median), 1, self.limits.max_batch)))
-        added = self._granted(self._unmeasured_near(since, sweep, (chosen, running), median),
-                              now_s)
+        # a pick next to the running K is a close call, and the running K's far side is in
+        # it; a pick far off leaves that side out of contention (instructcoder's K7 over
+        # GSM8K's K2: its runs at K1 and K3 lost the n-gram swing's first code phase 2%)
+        centres = (chosen, running) if abs(chosen - running) <= 1 else (chosen,)
+        added = self._granted(self._unmeasured_near(since, sweep, centres, median), now_s)
         if not added:
             return False
         blocks, lengths = alternated(added)

@@ -42,8 +42,9 @@ the workload's own wander does not start one, and for three minutes after a swee
 acceptance for twice the shift (`DriftConfig.after_sweep_factor`).
 
 A key with one engine has no canary, and all of its traffic would pay that minute: its
-re-profile is the settling stretch, short blocks at what the drift hides, the table again
-until the refit has its steps, then the refit on all of them (`LoopConfig.probe_block_s`,
+re-profile is the settling stretch, short blocks at what the drift hides (the table between
+them), the table again until the refit has its steps, then the refit on all of them, its
+step times at the machine's steady speed (`LoopConfig.probe_block_s`,
 `sweep_planner.Hidden`): acceptance that rose hides the positions above the table's K (one
 block at the largest K); a load or step time that moved hides every K's cost there (the
 largest and the smallest K); acceptance that fell hides nothing (no block: decision
@@ -664,7 +665,7 @@ class ClosedLoop:
         """Fit, derive, publish if forced or worth it (`min_gain`, `gain_z`: the config's by
         default); False when held back (a rollback's cooldown, a guardrail watch's hold).
         `steady`: the fit reads the step times at the machine's steady speed
-        (`fitter.steady_speed`): a probe's, whose turns share the table's seconds.
+        (`fitter.steady_speed`): a probe's, whose blocks alternate with the table's steps.
         `judged` (with `force`): past those holds, but published only if worth it, else the
         running table settles (`_settle`) where its fit measured the load: a one-engine
         key's probe, whose fit of a slow engine's few steps can price K with errors as large

@@ -43,11 +43,12 @@ with the K forced (docs/TUNING.md)."""
 PROBE_NEIGHBOURS = 3
 """Fits a probe makes, once its steps are in, of the K it would choose at the load running:
 each then runs a block at that K and at its neighbours (and, where the pick is next to the
-running table's K, at that K's neighbours), where the load has too few steps of them. A step time is not a line in K: a
-2-core CPU at 16 requests ran K0-K4 in 70, 90, 134, 167 and 222 ms, and a fit of K0, K4 and
-the table's K priced K1 at 147 ms, so it kept K3 where K1 led by 19%. Each climb moves one K
-from the last pick: three reach K1 from K4. The table's side too: a fit that picked K3 over
-the running K2 never measured K1, which led both by 5% (2-core host, 16 requests)."""
+running table's K, at that K's neighbours) where the load has too few steps of them. A step
+time is not a line in K: a 2-core CPU at 16 requests ran K0-K4 in 70, 90, 134, 167 and
+222 ms, and a fit of K0, K4 and the table's K priced K1 at 147 ms, so it kept K3 where K1
+led by 19%. Each climb moves one K from the last pick: three reach K1 from K4. The running
+K's side too: a fit that picked K3 over the running K2 never measured K1, which led both by
+5% (2-core host, 16 requests)."""
 PROBE_MEASURED_STEPS = 20
 """Steps at a K, within the drift detector's coverage factor of the load running, that
 price it there without a block (a probe's own block at it always does)."""
@@ -264,8 +265,9 @@ class SweepPlanner:
         return fittable(self.window.window(now_s, since_s=sweep.records_from_s))
 
     def _probe_neighbours(self, sweep: Sweep, now_s: float) -> bool:
-        """Whether the probe climbs: blocks at the K a fit would run at the probe's load,
-        and at that K's neighbours, that the load has too few steps of and the forced
+        """Whether the probe climbs: blocks at the K a fit (at the machine's steady speed)
+        would run at the probe's load, at that K's neighbours and, where it is next to the
+        running K, at the running K's, that the load has too few steps of and the forced
         budget grants (at most PROBE_NEIGHBOURS fits). Appends them to `sweep`, the table
         between them; the first may run up to a tick short, its wait being the open-ended
         stretch before it."""
@@ -279,8 +281,8 @@ class SweepPlanner:
         median = float(np.median(since.column("batch_size").to_numpy()))
         # what a periodic refit reads (the window and the last sweep's records); the
         # probe's own refit then reads only the steps since the drift
-        chosen = self._fit_choice(at_steady_speed(records), now_s, round(median), reason="probe",
-                                  half_life_s=self.config.half_life_s,
+        chosen = self._fit_choice(at_steady_speed(records), now_s, round(median),
+                                  reason="probe", half_life_s=self.config.half_life_s,
                                   tolerance=self.config.tolerance)
         if chosen is None:
             return False

@@ -24,6 +24,12 @@ class ForcedBudget:
         self._spent: deque[tuple[float, float]] = deque()
         """(start s, length s) of each block granted, oldest first."""
 
+    def left(self, start_s: float) -> float:
+        """Seconds a block from `start_s` could still be granted, spending none."""
+        spent = sum(length for begun_s, length in self._spent
+                    if begun_s + length > start_s - self.window_s)
+        return max(0.0, self.share * self.window_s - spent)
+
     def grant(self, start_s: float, want_s: float) -> float:
         """Seconds of forcing from `start_s`, at most `want_s` and within the share of every
         window that holds them (0: none now); granted seconds count as spent."""

@@ -466,6 +466,10 @@ class ClosedLoop:
                     and self.planner.ran_largest_k(now_s, since_s=watched_s)):
                 self._settle(now_s, reason="acceptance rose where the table drafts the "
                                            "largest K")
+            elif (hidden is not Hidden.NOTHING and report.signal != "coverage"
+                  and self.planner.probes(now_s) and not self.planner.probe_granted(now_s)):
+                # a probe with no block measures nothing: the refit reads the table's steps
+                self._settle(now_s, reason="the forced budget is spent")
             else:
                 # a load past the table's measured range is probed to be measured: its
                 # table goes out, and with it the range the detector's coverage reads
@@ -622,10 +626,11 @@ class ClosedLoop:
             reason = "profile" if first else "stale"
             steps_since_s = sweep.confirm_started_s if sweep.confirmed else None
             newest = self.agent.state.newest_version
-            judged = sweep.probe and not first and self._judge_probe
+            probed = sweep.probe and not first
+            judged = probed and self._judge_probe
             self._refit(now_s, reason=reason, force=True, k_values=sweep.confirmed or None,
                         steps_since_s=steps_since_s, records_since_s=sweep.records_from_s,
-                        judged=judged, steady=sweep.probe and not first)
+                        judged=judged, steady=probed)
             published = (self.agent.state.desired_version
                          if self.agent.state.newest_version > newest else None)
             if published is None and judged:

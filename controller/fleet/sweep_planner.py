@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from controller.fleet.decisions import DecisionLog, What
-from controller.fleet.forced_budget import ForcedBudget
+from controller.fleet.forced_budget import MIN_PROBE_S, ForcedBudget
 from controller.fleet.key_fit import MIN_FIT_RECORDS, KeyFitter, fittable
 from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import Publisher
@@ -148,6 +148,11 @@ class SweepPlanner:
     def probes(self, now_s: float) -> bool:
         """Whether a re-profile now would be a one-engine key's probe."""
         return self.config.probe_block_s > 0 and not self._canaries(now_s)
+
+    def probe_granted(self, now_s: float) -> bool:
+        """Whether the forced budget would grant a probe started now any block."""
+        left_s = self.budget.left(now_s + self.config.reprofile_settle_s)
+        return min(left_s, self.config.probe_block_s) >= MIN_PROBE_S
 
     def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
         """A one-engine key: the settling stretch, then a `probe_block_s` block at each K

@@ -18,6 +18,15 @@ def test_blocks_are_granted_until_the_share_of_the_window_is_spent() -> None:
     assert budget.grant(604.0, 4.0) == 4.0
 
 
+def test_what_is_left_is_what_a_grant_would_give_and_spends_nothing() -> None:
+    budget = ForcedBudget(share=0.025, window_s=600.0)  # 15 s in any 10 minutes
+    budget.grant(0.0, 4.0)
+    budget.grant(60.0, 4.0)
+    assert budget.left(120.0) == budget.left(120.0) == 7.0
+    assert budget.grant(120.0, 10.0) == 7.0 and budget.left(121.0) == 0.0
+    assert budget.left(604.0) == 4.0  # the first block left the window
+
+
 def test_a_remainder_too_short_to_fit_is_not_granted() -> None:
     budget = ForcedBudget(share=0.01, window_s=600.0)  # 6 s
     assert budget.grant(0.0, 5.5) == 5.5

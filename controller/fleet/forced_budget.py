@@ -34,9 +34,8 @@ class ForcedBudget:
         """Seconds of forcing from `start_s`, at most `want_s` and within the share of every
         window that holds them (0: none now); granted seconds count as spent."""
         while self._spent and self._spent[0][0] + self._spent[0][1] <= start_s - self.window_s:
-            self._spent.popleft()
-        spent = sum(length for _, length in self._spent)
-        granted = min(want_s, self.share * self.window_s - spent)
+            self._spent.popleft()  # out of every window from here on
+        granted = min(want_s, self.left(start_s))
         if granted < MIN_PROBE_S:
             return 0.0
         self._spent.append((start_s, granted))

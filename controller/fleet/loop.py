@@ -78,6 +78,7 @@ from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
 from controller.fleet.refit_gate import (
+    load_moved,
     measured_load,
     predicted_gain,
     running_unmeasured,
@@ -680,7 +681,9 @@ class ClosedLoop:
         overrate the larger K's tokens per step), the requests that finished since
         `records_since_s` price each K's context. `recalled`: the fit is that regime's sweep,
         weighed as of its own refit, and its table is published unwatched (it was vetted
-        when first measured; the drift detector checks its prediction from the first step)."""
+        when first measured; the drift detector checks its prediction from the first step).
+        A follow-up that comes after the load moved (`refit_gate.load_moved`) is judged as a
+        periodic refit is, on the newest steps' batch sizes."""
         cfg = self.config
         self._next_refit_s = now_s + cfg.refit_interval_s
         started = self.guardrail.watch_started_s
@@ -714,13 +717,20 @@ class ClosedLoop:
             return True
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.publisher.running_table()
-        gain, stderr = predicted_gain(envelope, current, batch[-2000:])
+        judged_on = batch[-2000:]
+        newest = _latest_batch_sizes(records, UNMEASURED_SPAN_S)
+        moved = (reason == "follow_up" and newest.size >= UNMEASURED_MIN_STEPS
+                 and load_moved(judged_on, newest))
+        if moved:  # its own bar is for the load its re-profile measured, not this one
+            judged_on, min_gain, gain_z = newest, None, None
+        gain, stderr = predicted_gain(envelope, current, judged_on)
         unmeasured = running_unmeasured(self.publisher.agent.desired(),
                                         _latest_batch_sizes(records, cfg.refit_interval_s))
         self._decisions.note(now_s, What.REFIT, reason=reason, version=version,
                              gain=round(gain, 4), gain_stderr=round(stderr, 4),
                              records=records.num_rows,
-                             **({"running_unmeasured": True} if unmeasured else {}))
+                             **({"running_unmeasured": True} if unmeasured else {}),
+                             **({"load_moved": True} if moved else {}))
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
         worth_it = gain >= min_gain and (gain >= gain_z * stderr or unmeasured)

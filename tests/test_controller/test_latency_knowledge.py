@@ -10,10 +10,9 @@ import pyarrow.compute as pc
 
 from controller.fleet.latency_knowledge import MIN_SHIFT_STEPS, LatencyKnowledge
 from fitter.surface.synthetic import make_step_records
+from tests.test_controller.test_closed_loop import EAGLE
 from twin import EngineConfig, PhaseConfig, Scenario, run_scenario
 from twin.tabletune_policy import TabletunePolicy
-
-EAGLE = (0.69, 0.66, 0.69, 0.73, 0.76, 0.78, 0.80)
 
 
 def _steps(seed: int, scale: float = 1.0, *, forced: bool = True) -> pa.Table:

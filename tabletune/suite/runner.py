@@ -115,6 +115,7 @@ def _run_policy(scenario: Scenario | str | Path, spec: str) -> tuple[Any, dict[s
         extra["first_table_s"] = round(float(applied[0][0]), 2)
         extra["tables_applied"] = len(applied)
         extra["table_ranges"] = [len(table.ranges) for _, _, table in applied]
+        extra["tables"] = [table.to_vllm() for _, _, table in applied]
     return summary, extra
 
 

@@ -108,6 +108,10 @@ def test_tiny_suite_end_to_end(tmp_path, tiny, capsys):
     assert "### Drift: stale-loss recovery" in section and "Test CPU" in section
     ranges = [max(load["runs"]["tabletune"]["table_ranges"]) for load in closed["loads"]]
     assert all(count >= 1 for count in ranges)
+    for load in closed["loads"]:  # the tables themselves, for a yardstick to read
+        run = load["runs"]["tabletune"]
+        assert [len(table) for table in run["tables"]] == run["table_ranges"]
+        assert all(table[0][0] == 1 for table in run["tables"])
     assert f"| {max(ranges)} (" in section.split("### Table ranges")[1]
     text = benchmarks.read_text()
     assert text.startswith("# Benchmarks\n\nhand-written\n\n" + BEGIN)

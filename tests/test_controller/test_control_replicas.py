@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kafka.partitioner.default import murmur2
 
 from controller.fleet.ownership_config import SLOTS
@@ -30,6 +31,8 @@ from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.kafka_helpers import wait_for
 from tests.test_controller.test_closed_loop import EAGLE
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
+
+pytestmark = pytest.mark.alone  # 3 s sessions: a test beside them on the cores stalls them
 
 SPEEDUP = 10.0
 SHORT_SESSION_S = 3.0

@@ -8,11 +8,15 @@ the lease must not hold in between, however fresh the acknowledgement.
 
 from __future__ import annotations
 
+import pytest
+
 from controller.fleet.ownership import Ownership
 from controller.fleet.ownership_config import OwnershipConfig
 from schemas import TableKey
 from schemas.settings import Settings
 from tests.kafka_helpers import wait_for
+
+pytestmark = pytest.mark.alone  # a replica's session outlives only short stalls
 
 KEY = TableKey("m", "ngram", "cpu")
 

@@ -62,8 +62,9 @@ def register(commands: Any) -> None:
         description="Long-running. Reads every engine's telemetry, the tables topic and "
         "the engines' status announcements; per table key it profiles a cold fleet "
         "(forced K on every engine), publishes the first table, refits on a period, and "
-        "after a drift re-profiles a canary share of the engines (a one-engine key: 3 s "
-        "blocks at what the drift hides) and publishes the new table. Its clock is the telemetry's timestamps. State lives in the topics: a "
+        "after a drift probes what it hides with 3 s blocks on a canary share of the "
+        "engines (a one-engine key: on its only engine, within a forced budget) and "
+        "publishes the new table. Its clock is the telemetry's timestamps. State lives in the topics: a "
         "restart goes on from the newest published version. Ctrl-C or SIGTERM releases "
         "any force it holds. Run several: replicas on one tables topic share the keys "
         "through a Kafka consumer group (--group), one writer per key at a time, and stamp "
@@ -117,8 +118,8 @@ def _operator_settings(serve: argparse.ArgumentParser) -> None:
                        f"{loop.refit_spacing:g})")
     group.add_argument("--reprofile-on-stale", action=argparse.BooleanOptionalAction,
                        default=loop.reprofile_on_stale,
-                       help="after a drift, re-profile a canary share of the engines (a "
-                       "one-engine key: short blocks at what the drift hides); off: "
+                       help="after a drift, probe what it hides with short blocks on a canary "
+                       "share of the engines (a one-engine key: its only engine); off: "
                        "only refit the passive window (default on)")
     group.add_argument("--canary-share", type=number(0, 1, low_open=True),
                        default=loop.canary_share,

@@ -15,41 +15,36 @@ of their own: the `RecordWindow` of telemetry the fits read, the `SweepPlanner` 
 `ConflictWatch` that keeps steps sent in two different records out of every fit (and says
 so on the status topic), and the `DecisionLog` of every decision taken.
 
-The re-profile after `stale`, and why each part (lengths in `LoopConfig`, measurements in
-docs/TUNING.md):
+The re-profile after `stale` probes what the drift hides (lengths in `LoopConfig`,
+measurements in docs/TUNING.md), on the canaries (`canary_share` of the live engines; a
+one-engine key's only engine):
 
 - settle: the drift shows while the old traffic's requests still run, so the stale table
   runs on for `reprofile_settle_s`; that stretch, its one unforced run in the new regime, is
-  the guardrail's baseline for the table the re-profile ends with (no watch when the
-  confirmation ran the stale table's K: its mirrored blocks already compared the two);
-- sweep: short blocks at every K, up and back down, measure what live steps censor
-  (acceptance beyond the table's K, the cost of every K at the new load);
-- confirmation: the K a fit of the sweep picks and its neighbours run for long blocks in
-  mirrored order (a, b, c, c, b, a), because which requests a closed loop holds, and so what
-  a K really emits per step, settles only over a request's lifetime, and between
-  neighbouring K that is what decides;
-- refit: the step models fit the confirmation's runs alone (the sweep's short blocks
-  overrate the larger K's tokens per step), each K is priced at the context its own batch
-  would hold, from every request that finished during the re-profile
-  (`fitter.surface.context`); the table is published, under a guardrail watch, as soon as
-  the confirmation ends (more of the stale table would leave the new one its batch to
-  drain);
-- restart, once: if the load, or the first position's acceptance at one K, moved during the
-  confirmation, the K values it ran came from another regime.
+  the guardrail's baseline for the table the re-profile ends with;
+- blocks of `probe_block_s` at what the drift hides, the table between them
+  (`sweep_planner.Hidden`): acceptance that rose hides the positions above the table's K (one
+  block at the largest K); a load or step time that moved hides every K's cost there (the
+  largest and the smallest K); acceptance that fell hides nothing (no block: decision
+  `settle_refit`);
+- the table until the steps since the drift make a fit, then blocks at the K that fit would
+  run and its neighbours, where the new load has too few steps of them;
+- refit: on every engine's steps since the drift (the engines off the canaries ran the table
+  all along), step times at the machine's steady speed (`fitter.steady_speed`); published
+  under a guardrail watch when its gain is clear of its error, else the table settles.
 
-About 60 s in all, paid once per drift; so the drift detector's window is long enough that
-the workload's own wander does not start one, and for three minutes after a sweep it asks
-acceptance for twice the shift (`DriftConfig.after_sweep_factor`).
+About 30 s from the drift to the table. A one-engine key's blocks take at most `probe_share`
+of any ten minutes (`forced_budget.ForcedBudget`): all of its traffic pays for them.
 
-A key with one engine has no canary, and all of its traffic would pay that minute: its
-re-profile is the settling stretch, short blocks at what the drift hides (the table between
-them), the table again until the refit has its steps, then the refit on all of them, its
-step times at the machine's steady speed (`LoopConfig.probe_block_s`,
-`sweep_planner.Hidden`): acceptance that rose hides the positions above the table's K (one
-block at the largest K); a load or step time that moved hides every K's cost there (the
-largest and the smallest K); acceptance that fell hides nothing (no block: decision
-`settle_refit`). Such blocks take at most `probe_share` of any ten minutes
-(`forced_budget.ForcedBudget`).
+With `probe_block_s` 0 the re-profile is the canaries' sweep instead, about a minute: short
+blocks at every K up and back down, then the K a fit of them picks and its neighbours in long
+runs in mirrored order (a, b, c, c, b, a: between neighbouring K what decides settles only
+over a request's lifetime), the engines off the canaries on a table fitted to the sweep
+meanwhile, then the refit on the long runs alone; restarted once if the load, or the first
+position's acceptance at one K, moved during the runs.
+
+For three minutes after any re-profile the drift detector asks acceptance for twice the
+shift (`DriftConfig.after_sweep_factor`).
 """
 
 from __future__ import annotations
@@ -142,9 +137,9 @@ class LoopState(enum.Enum):
     LIVE = "live"
     """Following fitted tables; refits, exploration, guardrail and drift detection on."""
     REPROFILING = "reprofiling"
-    """Drift was detected: a short forced sweep on the canaries, long runs at the K it
-    points to and its neighbours, then a refit on the new regime only (a one-engine key:
-    short blocks at the K that show what the drift hid, then the refit)."""
+    """Drift was detected: short blocks on the canaries (a one-engine key: its only engine)
+    at the K that show what the drift hid, then the refit on the new regime only (with
+    `probe_block_s` 0: a sweep of every K and long runs at the K it points to)."""
 
 
 class ClosedLoop:
@@ -374,7 +369,7 @@ class ClosedLoop:
         """Once per control interval with the records recorded since the last tick."""
         self.clock_s = now_s
         if records is not None and records.num_rows:
-            records = self.window.note_engines(records, now_s, only=self.planner.targets)
+            records = self.window.note_engines(records, now_s, only=self.planner.fitted_engines)
         if records is not None and records.num_rows:
             self.window.add(records, now_s)
             if self.pinned:
@@ -463,12 +458,12 @@ class ClosedLoop:
             # once a table fitted on it goes out, that regime may be recalled again
             self._left_regime = report.signal != "latency"
             watched_s = max(now_s - self.config.drift.window_s, self.drift.since_s)
-            if (hidden is Hidden.ACCEPTANCE and self.planner.probes(now_s)
+            if (hidden is Hidden.ACCEPTANCE and self.planner.probes()
                     and self.planner.ran_largest_k(now_s, since_s=watched_s)):
                 self._settle(now_s, reason="acceptance rose where the table drafts the "
                                            "largest K")
             elif (hidden is not Hidden.NOTHING and report.signal != "coverage"
-                  and self.planner.probes(now_s) and not self.planner.probe_granted(now_s)):
+                  and self.planner.probes() and not self.planner.probe_granted(now_s)):
                 # a probe with no block measures nothing: the refit reads the table's steps
                 self._settle(now_s, reason="the forced budget is spent")
             else:
@@ -489,20 +484,20 @@ class ClosedLoop:
 
     def _settle(self, now_s: float, *, reason: str) -> None:
         """Acceptance rose, and hides nothing a probe would measure: to what the table
-        priced (`_priced_rise`), or where a one-engine key's table drafts the largest K,
-        whose steps censor no position (an InstructCoder phase's recalled table at K7,
+        priced (`_priced_rise`), or where the table drafts the largest K, whose steps
+        censor no position (an InstructCoder phase's recalled table at K7,
         called stale 22 s after its recall by a reference 20% above the regime's sweep,
         was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
         fall, and the detector learns the new level as its reference instead of reporting
-        the same drift every minute. Also where a one-engine key's probe ended in a refit
-        that could not tell its table from the running one (`_refit(judged=True)`)."""
+        the same drift every minute. Also where a probe ended in a refit that could not
+        tell its table from the running one (`_refit(judged=True)`)."""
         self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s
 
     def _unmeasured_load(self, now_s: float) -> DriftReport | None:
-        """A one-engine key whose steps over the last `UNMEASURED_SPAN_S` ran past the drift
+        """A key whose steps over the last `UNMEASURED_SPAN_S` ran past the drift
         detector's coverage factor times the largest load the running table's fit
         measured (`measured_load`): its K there is a guess, and so would a refit's be,
         so the loop probes the load (signal `coverage`), once per table version. The
@@ -515,7 +510,7 @@ class ClosedLoop:
         version = self.agent.state.desired_version
         measured = measured_load(self.publisher.agent.desired())
         if (measured is None or version == self._unmeasured_version
-                or not cfg.reprofile_on_stale or not self.planner.probes(now_s)):
+                or not cfg.reprofile_on_stale or not self.planner.probes()):
             return None
         records = self.window.window(now_s, since_s=now_s - UNMEASURED_SPAN_S)
         if records is None or records.num_rows < UNMEASURED_MIN_STEPS:
@@ -673,9 +668,9 @@ class ClosedLoop:
         `steady`: the fit reads the step times at the machine's steady speed
         (`fitter.steady_speed`): a probe's, whose blocks alternate with the table's steps.
         `judged` (with `force`): past those holds, but published only if worth it, else the
-        running table settles (`_settle`) where its fit measured the load: a one-engine
-        key's probe, whose fit of a slow engine's few steps can price K with errors as large
-        as the gains.
+        running table settles (`_settle`) where its fit measured the load: a probe's,
+        whose fit of a slow engine's few steps can price K with errors as large as the
+        gains.
         A re-profile's end: `k_values`, the confirmed K (any other is an extrapolation);
         the step models fit only the steps since `steps_since_s` (the sweep's short blocks
         overrate the larger K's tokens per step), the requests that finished since

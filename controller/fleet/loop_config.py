@@ -26,7 +26,7 @@ class LoopConfig:
     `refit_interval_s` (1 = never): a settled key's refits find nothing, and each is a
     whole fit. Never under a per-request budget, whose drift the refits watch."""
     reprofile_on_stale: bool = True
-    """Re-profile a canary after `stale` (off: only refit the passive window)."""
+    """Re-profile after `stale` (off: only refit the passive window)."""
     canary_share: float = 0.25
     """A re-profile forces at most this share of the key's live engines (at least one); the
     rest keep the current table until the re-profile's table is published."""
@@ -58,14 +58,15 @@ class LoopConfig:
     reprofile_block_s: float = 1.0
     """Each K's block in the re-profile's up-and-down sweep (mirrored, so a trend cancels)."""
     probe_block_s: float = 3.0
-    """A key with one engine re-profiles with blocks this long after the settling stretch,
-    not a sweep: its only engine serves all of its traffic. One at the largest K shows
-    acceptance at every draft position; after a load or step-time drift one at the smallest
-    K follows, pricing K at the new load beside the table's own (`sweep_planner.Hidden`;
-    0 = the canaries' sweep and confirmation)."""
+    """A re-profile forces blocks this long on the canaries after the settling stretch (a
+    one-engine key: on its only engine), not a sweep. One at the largest K shows acceptance
+    at every draft position; after a load or step-time drift one at the smallest K follows,
+    pricing K at the new load beside the table's own (`sweep_planner.Hidden`; 0 = the
+    canaries' sweep and confirmation)."""
     probe_share: float = 0.025
-    """Such blocks take at most this share of any `FORCED_WINDOW_S` (exploration's probes come
-    on top): a drift that keeps firing is refitted without one."""
+    """A one-engine key's blocks take at most this share of any `FORCED_WINDOW_S`
+    (exploration's probes come on top): a drift that keeps firing is refitted without one.
+    A fleet's canaries carry only their share of its traffic, and have no such budget."""
     confirm_block_s: float = 6.0
     """The sweep's pick and its neighbours then run this long each, twice, mirrored (0 =
     skip)."""

@@ -62,8 +62,8 @@ class Sweep:
     confirm_block_s: float = 0.0
     """Length of each confirmation run (a slow engine's are longer than configured)."""
     probe: bool = False
-    """A one-engine key's re-profile: short blocks at what the drift hid, and its fits keep
-    the settling stretch (the table's own K at the new traffic)."""
+    """A re-profile that probes: short blocks at what the drift hid, and its fits keep the
+    settling stretch and every engine's steps (the table's own K at the new traffic)."""
 
     climbs: int = 0
     """Fits a probe made of its pick, to run its neighbours (`PROBE_NEIGHBOURS`)."""

@@ -61,14 +61,14 @@ PROBE_MEASURED_STEPS = 20
 price it there without a block (a probe's own block at it always does)."""
 
 PROBE_LONGEST_S = 120.0
-"""A one-engine key's probe waits at most this long after the drift for its refit's
-steps (`_probe_waits`; a slow engine runs its table meanwhile, unforced); then the loop goes
-LIVE and its periodic refits take over."""
+"""A probe waits at most this long after the drift for its refit's steps (`_probe_waits`;
+a slow engine runs its table meanwhile, unforced); then the loop goes LIVE and its periodic
+refits take over."""
 
 
 class Hidden(enum.Enum):
-    """What a drift hides from the running table's own steps: what a one-engine key's
-    probe blocks force."""
+    """What a drift hides from the running table's own steps: what a probe's blocks
+    force."""
 
     NOTHING = "nothing"
     """Acceptance fell: the table's K drafts every position a smaller K does."""
@@ -111,9 +111,14 @@ class SweepPlanner:
         """What a one-engine key's probe blocks may still force."""
 
     @property
-    def targets(self) -> tuple[str, ...]:
-        """The engines the running sweep forces (empty: every engine, or no sweep)."""
-        return () if self.sweep is None else self.sweep.targets
+    def fitted_engines(self) -> tuple[str, ...]:
+        """The engines whose steps the running sweep's fits read (empty: every engine, or no
+        sweep). A canary sweep's alone: the others run the stale table and its fits choose
+        among the K the canaries ran. A probe's fits read every engine: those running the
+        table price its K at the new traffic beside the canaries' blocks."""
+        if self.sweep is None or self.sweep.probe:
+            return ()
+        return self.sweep.targets
 
     def start_profile(self, now_s: float, block_s: float, *,
                       fit_since_s: float | None = None) -> None:
@@ -124,9 +129,10 @@ class SweepPlanner:
 
     def start_reprofile(self, now_s: float, *, restarted: bool = False,
                         hidden: Hidden = Hidden.COST) -> bool:
-        """The settling stretch, then every K up and back down on the canaries; the
-        confirmation is planned when those blocks run out. A one-engine key probes what the
-        drift left `hidden` instead. False: nothing to sweep (acceptance fell)."""
+        """A probe of what the drift left `hidden`, on the canaries (a one-engine key's only
+        engine, under the forced budget); with `probe_block_s` 0, the settling stretch, then
+        every K up and back down on the canaries, the confirmation planned when those blocks
+        run out. False: nothing to force (acceptance fell)."""
         # acceptance beyond the table's K is censored, a new load range unobserved and a
         # new context's cost at other K unmeasured: only a sweep shows them
         cfg = self.config
@@ -135,8 +141,8 @@ class SweepPlanner:
             self.decisions.note(now_s, What.SETTLE_REFIT, reason="acceptance fell")
             return False
         targets = self._canaries(now_s)
-        if not targets and cfg.probe_block_s > 0:
-            return self._start_probe(now_s, restarted=restarted, hidden=hidden)
+        if self.probes():
+            return self._start_probe(now_s, targets, restarted=restarted, hidden=hidden)
         ks = [*self.k_values, *self.k_values[::-1]]
         blocks: list[int | None] = [None, *ks]
         block_s, confirm_s = self._sized_for_steps(now_s, targets)
@@ -152,28 +158,37 @@ class SweepPlanner:
         self.window.data_since_s = now_s + cfg.reprofile_settle_s
         return True
 
-    def probes(self, now_s: float) -> bool:
-        """Whether a re-profile now would be a one-engine key's probe."""
-        return self.config.probe_block_s > 0 and not self._canaries(now_s)
+    def probes(self) -> bool:
+        """Whether a re-profile is a probe (`probe_block_s` > 0), not the canaries' sweep."""
+        return self.config.probe_block_s > 0
 
     def probe_granted(self, now_s: float) -> bool:
-        """Whether the forced budget would grant a probe started now any block."""
+        """Whether a probe started now would force any block: a fleet's canaries always, a
+        one-engine key's only engine as far as the forced budget grants."""
+        if self._canaries(now_s):
+            return True
         left_s = self.budget.left(now_s + self.config.reprofile_settle_s)
         return min(left_s, self.config.probe_block_s) >= MIN_PROBE_S
 
-    def _start_probe(self, now_s: float, *, restarted: bool, hidden: Hidden) -> bool:
-        """A one-engine key: the settling stretch, then a `probe_block_s` block at each K
-        that shows what is `hidden`, as far as the forced budget grants (a drift that keeps
-        firing is refitted without), each followed by as long at the table (`alternated`),
-        then the table until the refit has its steps."""
+    def _start_probe(self, now_s: float, targets: tuple[str, ...], *, restarted: bool,
+                     hidden: Hidden) -> bool:
+        """The settling stretch, then a `probe_block_s` block at each K that shows what is
+        `hidden` on `targets` (the canaries; none: a one-engine key's only engine, as far as
+        the forced budget grants, so a drift that keeps firing is refitted without), each
+        followed by as long at the table (`alternated`), then the table until the refit has
+        its steps. A fleet's other engines run the table throughout, and their steps are
+        fitted too: a canary sweep's minute of K0..K7 and confirmation left the four-engine
+        n-gram swing's first code phase at 0.91-0.92 of its best K, its table 72-74 s after
+        the drift."""
         cfg = self.config
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]
-        granted = self._granted(wanted, now_s + cfg.reprofile_settle_s)
+        granted = self._granted(wanted, now_s + cfg.reprofile_settle_s, targets)
         blocks, lengths = alternated(granted)
         self.sweep = Sweep([None, *blocks], [cfg.reprofile_settle_s, *lengths], now_s,
-                           fit_since_s=now_s, restarted=restarted, probe=True)
-        self.decisions.note(now_s, What.REPROFILE, targets=[], hidden=hidden.value,
+                           fit_since_s=now_s, restarted=restarted, targets=targets,
+                           probe=True)
+        self.decisions.note(now_s, What.REPROFILE, targets=list(targets), hidden=hidden.value,
                             **_probe_fields(granted))
         return True
 
@@ -322,7 +337,8 @@ class SweepPlanner:
         # it; a pick far off leaves that side out of contention (instructcoder's K7 over
         # GSM8K's K2: its runs at K1 and K3 lost the n-gram swing's first code phase 2%)
         centres = (chosen, running) if abs(chosen - running) <= 1 else (chosen,)
-        added = self._granted(self._unmeasured_near(since, sweep, centres, median), now_s)
+        added = self._granted(self._unmeasured_near(since, sweep, centres, median), now_s,
+                              sweep.targets)
         if not added:
             return False
         blocks, lengths = alternated(added)
@@ -362,13 +378,14 @@ class SweepPlanner:
         return [value for value in near if value not in sweep.blocks
                 and int(np.sum(at_load & (k == value))) < PROBE_MEASURED_STEPS]
 
-    def _granted(self, wanted: list[int] | tuple[int, ...], now_s: float
-                 ) -> list[tuple[int, float]]:
-        """(K, seconds) of each of `wanted`, counted back to back from `now_s`, as far as
-        the forced budget grants them."""
+    def _granted(self, wanted: list[int] | tuple[int, ...], now_s: float,
+                 targets: tuple[str, ...]) -> list[tuple[int, float]]:
+        """(K, seconds) of each of `wanted`, counted back to back from `now_s`: whole blocks
+        on canaries (`targets`), else as far as the forced budget grants them."""
         granted, start_s = [], now_s
         for k in wanted:
-            block_s = self.budget.grant(start_s, self.config.probe_block_s)
+            block_s = (self.config.probe_block_s if targets
+                       else self.budget.grant(start_s, self.config.probe_block_s))
             if block_s:
                 granted.append((k, block_s))
                 start_s += block_s

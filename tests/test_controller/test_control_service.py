@@ -30,7 +30,7 @@ from schemas import DraftTable, TableControl, TableEnvelope, TableKey, parse_tab
 from schemas.settings import Settings, TopicNames
 from tabletune.twin_fleet import Fleet, FleetConfig
 from tests.kafka_helpers import wait_for
-from tests.test_controller.test_closed_loop import EAGLE, ngram_chat_to_code
+from tests.test_controller.test_closed_loop import EAGLE, NGRAM_POOR_CHAT, ngram_chat_to_code
 from twin.config import DrafterConfig, EngineConfig, PhaseConfig, Scenario
 
 SPEEDUP = 10.0
@@ -143,8 +143,9 @@ def test_a_cold_fleet_is_profiled_then_gets_its_first_table(settings, tmp_path):
 def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(settings,
                                                                                tmp_path):
     # n-gram chat -> code: acceptance beyond the table's K moves, which live steps censor,
-    # so only a re-profile sees it (a load jump a pooled periodic refit may fix first)
-    fleet = Fleet(ngram_chat_to_code(code_s=180), settings,
+    # so only a re-profile sees it (a load jump a pooled periodic refit may fix first); a
+    # chat whose table drafts below the largest K, which would censor nothing
+    fleet = Fleet(ngram_chat_to_code(code_s=180, chat=NGRAM_POOR_CHAT), settings,
                   FleetConfig(engines=4, speedup=SPEEDUP))
     with ControlProcess(settings, tmp_path / "control.log") as control:
         fleet.start()
@@ -181,10 +182,12 @@ def test_a_drift_reprofiles_a_canary_and_a_late_engine_gets_the_current_table(se
     after = [m for m in log if isinstance(m, TableEnvelope)
              and m.provenance.get("reason") == "stale"]
     assert after, decisions
-    # the canary's sweep, fitted, served the three unforced engines through the confirmation
-    interim = [m for m in log if isinstance(m, TableEnvelope)
-               and m.provenance.get("reason") == "interim"]
-    assert interim and interim[0].version < after[0].version, decisions
+    # a probe, not a sweep: acceptance rose, so its first block runs the largest K, and the
+    # three engines off the canary run the stale table until the probe's table comes
+    forced_k = [m.table.k_for(1) for m in canary_forces]
+    assert forced_k[0] == 7 and len(forced_k) < 8, forced_k
+    assert not [m for m in log if isinstance(m, TableEnvelope)
+                and m.provenance.get("reason") == "interim"], decisions
     for engine in fleet.engines:  # every engine ends on the newest table, none forced
         assert engine.engine.switch.version == versions[-1]
         assert not engine.engine.switch.forced
@@ -194,7 +197,7 @@ def test_a_killed_control_leaves_no_engine_forced_and_its_restart_goes_on(settin
     # code_s: room after the kill and the force's expiry for the restart to serve live steps,
     # even when a busy machine slows the restarted process's start-up
     # three engines (a canary of one, as of four): the fleet's steps are this test's time
-    fleet = Fleet(ngram_chat_to_code(code_s=250), settings,
+    fleet = Fleet(ngram_chat_to_code(code_s=250, chat=NGRAM_POOR_CHAT), settings,
                   FleetConfig(engines=3, speedup=SPEEDUP))
     first = ControlProcess(settings, tmp_path / "control-1.log").start()
     second = ControlProcess(settings, tmp_path / "control-2.log")

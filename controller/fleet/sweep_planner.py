@@ -177,9 +177,9 @@ class SweepPlanner:
         the forced budget grants, so a drift that keeps firing is refitted without), each
         followed by as long at the table (`alternated`), then the table until the refit has
         its steps. A fleet's other engines run the table throughout, and their steps are
-        fitted too: a canary sweep's minute of K0..K7 and confirmation left the four-engine
-        n-gram swing's first code phase at 0.91-0.92 of its best K, its table 72-74 s after
-        the drift."""
+        fitted too. On the four-engine n-gram swing through the broker the table came 27-32 s
+        after the drift, where the canaries' sweep and confirmation took 72-74 s and forced
+        the canary through K0..K7 (docs/TUNING.md)."""
         cfg = self.config
         wanted = {Hidden.ACCEPTANCE: (self.k_values[-1],),
                   Hidden.COST: (self.k_values[-1], self.k_values[0])}[hidden]

@@ -437,23 +437,33 @@ class ClosedLoop:
     def _stale(self, report: DriftReport, now_s: float, *,
                match: tuple[Regime, Signature] | None = None) -> None:
         """The table is stale: recall a regime seen before (`match`, where a fast report
-        found it), or re-profile."""
+        found it), settle where acceptance moved within what the table was fitted on, or
+        re-profile. Fits start at the drift unless the table's traffic is still the one
+        that runs."""
         self.status.emit("stale", **report.fields())
         self._decisions.note(now_s, What.STALE, **report.fields())
         self._reset_refit_wait(now_s)
         self.guardrail.reset_baseline()
-        self.window.data_since_s = now_s
         if report.signal == "latency":
             self._forget_if_moved(now_s)
         if self.config.reprofile_on_stale:
             if self._recall(report.version, now_s, match=match):
+                self.window.data_since_s = now_s
                 return
             hidden = Hidden.of(report.signal, report.magnitude)
             if hidden is Hidden.ACCEPTANCE and self._priced_rise(report):
-                # back at what the table priced: the traffic has not left its regime
+                # back at what the table priced: the traffic has not left its regime, and
+                # its steps so far stay in the fits
                 self._settle(now_s, reason="acceptance rose, to no more than the threshold "
                                            "over the table's prediction")
                 return
+            off = (self._within_regime(now_s)
+                   if report.signal == "acceptance" and not report.fast else None)
+            if off is not None:  # the table's own traffic, wandering: the same
+                self._settle(now_s, reason="acceptance moved within the regime the table "
+                                           "was fitted on", acceptance_off=round(off, 4))
+                return
+            self.window.data_since_s = now_s
             # the traffic moved away from the table's regime (a latency drift need not):
             # once a table fitted on it goes out, that regime may be recalled again
             self._left_regime = report.signal != "latency"
@@ -472,7 +482,30 @@ class ClosedLoop:
                 self._judge_probe = report.signal != "coverage"
                 self._start_reprofile(now_s, hidden=hidden)
         else:
+            self.window.data_since_s = now_s
             self._next_refit_s = now_s + self.config.drift.window_s
+
+    def _within_regime(self, now_s: float) -> float | None:
+        """How far (relative first-position acceptance) the newest steps sign from the regime
+        the table was fitted on (a sweep's or a recall's; `SIGNATURE_S`), where that is
+        within the drift threshold, half the recall's bar; else None. Then an acceptance
+        drift is that traffic's own wander, which a probe would measure again, and the fit
+        keeps the steps from before it: InstructCoder's acceptance under n-gram at 32 users
+        wanders 2.9 to 3.9 tokens a drafting request over 30 s, and a refit on the 10 s
+        after a fall priced K4 4% over K7, the phase's best fixed K (twin swing, seed 31).
+        One threshold, not the recall's two: a rise from 0.8 to 0.97 a position moves the
+        first position's acceptance 21%, and the best K far."""
+        regime = self._table_regime
+        if regime is None:
+            return None
+        bar = math.log1p(self.config.drift.acceptance_threshold)
+        for span_s in SIGNATURE_S:
+            signature = Signature.of(self.window.window(now_s, since_s=now_s - span_s))
+            distance = None if signature is None else regime.signature.distance(signature)
+            if (distance is not None and distance[0] <= bar
+                    and regime.matches(signature, self.config.drift.acceptance_threshold)):
+                return math.expm1(distance[0])
+        return None
 
     def _priced_rise(self, report: DriftReport) -> bool:
         """An acceptance rise that ends no more than the drift threshold over the table's own
@@ -482,7 +515,7 @@ class ClosedLoop:
         21: a 3 s probe then measured the same regime again)."""
         return report.against_prediction < self.config.drift.acceptance_threshold
 
-    def _settle(self, now_s: float, *, reason: str) -> None:
+    def _settle(self, now_s: float, *, reason: str, **evidence: float) -> None:
         """Acceptance rose, and hides nothing a probe would measure: to what the table
         priced (`_priced_rise`), or where the table drafts the largest K, whose steps
         censor no position (an InstructCoder phase's recalled table at K7,
@@ -491,7 +524,7 @@ class ClosedLoop:
         fall, and the detector learns the new level as its reference instead of reporting
         the same drift every minute. Also where a probe ended in a refit that could not
         tell its table from the running one (`_refit(judged=True)`)."""
-        self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason)
+        self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason, **evidence)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)
         self._next_refit_s = now_s + self.config.reprofile_settle_s

@@ -118,6 +118,12 @@ class Regime:
     version: int | None = None
     """The table version its refit published (None: it published none)."""
 
+    def matches(self, signature: Signature | None, acceptance_threshold: float) -> bool:
+        """Whether `signature` is this regime's traffic (`MATCH_FACTOR`,
+        `MATCH_BATCH_FACTOR`)."""
+        return signature is not None and _matches(self.signature, signature,
+                                                  acceptance_threshold)
+
     def to_json(self) -> dict[str, Any]:
         """What a later owner of the key recalls it by: the signature and the version."""
         signature = self.signature

@@ -552,6 +552,38 @@ def test_acceptance_rising_under_the_largest_k_is_settled_not_probed() -> None:
     assert rate(tt, stale.t_s, 400.0) >= 0.98 * rate(best, stale.t_s, 400.0)
 
 
+def test_acceptance_that_moves_within_the_tables_regime_is_settled_on_all_its_steps() -> None:
+    """Acceptance falls from 0.8 to 0.7 a position: K7's tokens a step fall 26%, a drift,
+    but the first position's acceptance only 12.5%, within one threshold of the regime the
+    profile measured. That is the traffic's own wander (a closed loop's few long requests
+    move it this much): nothing is forced, the detector learns the level, and the refit
+    after it reads the steps from before the drift as well, not the few seconds since."""
+    def phase(name: str, acceptance: float) -> PhaseConfig:
+        return PhaseConfig(name=name, duration_s=200, concurrency=16,
+                           acceptance=(acceptance,) * 7, prompt_len=128, output_len=256)
+
+    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=64),
+                        phases=(phase("high", 0.8), phase("lower", 0.7)))
+    policy, sink = TabletunePolicy(), MemorySink()
+    run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    stale = next(d for d in decisions if d.what == "stale" and d.t_s > 200.0)
+    assert stale.fields["signal"] == "acceptance" and stale.fields["magnitude"] < 0, stale
+    settle = next(d for d in decisions if d.t_s >= stale.t_s and d.what != "stale")
+    assert settle.what == "settle_refit", decisions
+    assert settle.fields["reason"] == "acceptance moved within the regime the table was " \
+                                      "fitted on", settle
+    threshold = policy.loop.config.drift.acceptance_threshold
+    assert 0.0 < settle.fields["acceptance_off"] <= threshold, settle
+    assert "reprofile" not in [d.what for d in decisions]
+    refit = next(d for d in decisions if d.what == "refit" and d.t_s > settle.t_s)
+    ts = sink.table().column("ts_ns").to_numpy() / 1e9
+    since_drift = int(np.sum((ts >= stale.t_s) & (ts < refit.t_s)))
+    assert refit.fields["records"] > 2 * since_drift, (refit, since_drift)
+
+
 def test_acceptance_back_at_the_tables_prediction_is_settled_not_probed() -> None:
     """64 EAGLE users; the profile's table runs its first seconds in a 25% dip of
     acceptance, so its reference learns the dip (a misfit: acceptance fell, settled).

@@ -75,6 +75,7 @@ from controller.fleet.record_window import RecordWindow
 from controller.fleet.refit_gate import (
     load_moved,
     measured_load,
+    own_steps_miss,
     predicted_gain,
     running_unmeasured,
 )
@@ -753,16 +754,23 @@ class ClosedLoop:
             if moved:  # its own bar is for the load its re-profile measured, not this one
                 judged_on, min_gain, gain_z = newest, None, None
         gain, stderr = predicted_gain(envelope, current, judged_on)
-        unmeasured = running_unmeasured(self.publisher.agent.desired(),
+        running = self.publisher.agent.desired()
+        unmeasured = running_unmeasured(running,
                                         _latest_batch_sizes(records, cfg.refit_interval_s))
+        miss = (None if force or unmeasured or (running is not None and running.budget)
+                else self._own_steps_miss(envelope, records, now_s))
+        misfit = (miss is not None
+                  and abs(math.log1p(miss)) >= math.log1p(cfg.drift.acceptance_threshold))
         self._decisions.note(now_s, What.REFIT, reason=reason, version=version,
                              gain=round(gain, 4), gain_stderr=round(stderr, 4),
                              records=records.num_rows,
                              **({"running_unmeasured": True} if unmeasured else {}),
-                             **({"load_moved": True} if moved else {}))
+                             **({"load_moved": True} if moved else {}),
+                             **({"own_steps_miss": round(miss, 4)} if misfit else {}))
         min_gain = cfg.min_gain if min_gain is None else min_gain
         gain_z = cfg.gain_z if gain_z is None else gain_z
-        worth_it = gain >= min_gain and (gain >= gain_z * stderr or unmeasured)
+        worth_it = (gain >= min_gain and (gain >= gain_z * stderr or unmeasured)
+                    and not misfit)
         if judged and not worth_it and not unmeasured:
             # kept where its fit measured the load: a table that did not would be probed
             # for coverage next, and that probe's table goes out whatever its gain
@@ -795,6 +803,22 @@ class ClosedLoop:
         if reason in FOLLOWED_UP_REASONS and cfg.follow_up_s > 0:
             self._follow_up_s = now_s + cfg.follow_up_s
         return True
+
+    def _own_steps_miss(self, envelope: TableEnvelope, records: pa.Table,
+                        now_s: float) -> float | None:
+        """How far `envelope`'s surface misses the running table's own steps over the last
+        refit interval (`refit_gate.own_steps_miss`). A miss of a drift is one the detector's
+        misfit check would call stale as soon as the table went out: after a recall, a fit of
+        the regime's sweep (an earlier visit of the traffic) beside 30 s of the table's K7
+        priced K7 20-25% under those very steps, and K5 2% over it (twin, n-gram swing at
+        32 users, four engines through the broker, seed 31)."""
+        since_ns = int((now_s - self.config.refit_interval_s) * 1e9)
+        newest = records.filter(pc.greater_equal(records.column("ts_ns"), since_ns))
+        if newest.num_rows == 0:
+            return None
+        # each engine's steps in order: a step after a forced one verified forced drafts
+        newest = newest.sort_by([("engine_id", "ascending"), ("ts_ns", "ascending")])
+        return own_steps_miss(envelope, StepColumns.from_records(newest))
 
     def _space_out_refits(self, now_s: float) -> None:
         """A periodic refit found nothing worth a swap: the next waits `REFIT_SPACING_STEP`

@@ -10,7 +10,9 @@ standard errors say whether the gain is more than the fit's noise - unless the r
 table was fitted at another load than the one that runs now (`running_unmeasured`): its
 choice there is an extrapolation, keeping it is no safer, and the gain alone decides (the
 guardrail still watches the swap). A follow-up refit that lands after the load moved is
-judged at the load now, with the periodic refits' error test (`load_moved`).
+judged at the load now, with the periodic refits' error test (`load_moved`). And a surface
+that misses the running table's own steps by a drift (`own_steps_miss`) judges nothing:
+its prediction at the K that runs is off by more than any gain it could find.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from controller.drift import drafting_request_tokens
+from controller.steps import StepColumns
 from schemas import DraftTable, TableEnvelope
 
 LOAD_MOVE_FACTOR = 2.0
@@ -98,3 +102,27 @@ def load_moved(window_batch_sizes: NDArray[np.int64],
     before = max(float(np.median(window_batch_sizes)), 1.0)
     now = max(float(np.median(newest_batch_sizes)), 1.0)
     return max(before, now) >= LOAD_MOVE_FACTOR * min(before, now)
+
+
+def own_steps_miss(candidate: TableEnvelope, steps: StepColumns) -> float | None:
+    """Tokens a drafting request emitted on `steps` that ran the table's own K, against
+    what `candidate`'s surface predicts at those K (`controller.drift`'s acceptance
+    signal, the same formula): the relative miss, or None where no such step drafted or
+    the surface carries no acceptance."""
+    surface = candidate.surface
+    if not surface or "acceptance_length" not in surface:
+        return None
+    k_values = [int(k) for k in surface["k_values"]]
+    per_k = np.full(max(k_values) + 1, np.nan)
+    for column, k in enumerate(k_values):
+        per_k[k] = drafting_request_tokens(surface, column)
+    own = (steps.table_steps() & (steps.num_drafts > 0) & (steps.k > 0)
+           & (steps.k < per_k.size))
+    predicted = per_k[steps.k[own]]
+    known = np.isfinite(predicted)
+    drafts = steps.num_drafts[own][known].astype(np.float64)
+    expected = float(np.sum(drafts * predicted[known]))
+    if expected <= 0:
+        return None
+    observed = float(np.sum(drafts + steps.accepted[own][known]))
+    return observed / expected - 1.0

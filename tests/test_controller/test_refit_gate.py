@@ -14,9 +14,11 @@ from controller.fleet.key_fit import MIN_FIT_RECORDS, MIN_FIT_STEPS, fittable
 from controller.fleet.refit_gate import (
     load_moved,
     measured_load,
+    own_steps_miss,
     predicted_gain,
     running_unmeasured,
 )
+from controller.steps import StepColumns
 from schemas import DraftTable, TableEnvelope, TableKey
 
 BATCH = [1, 8, 16, 32, 64]
@@ -139,3 +141,33 @@ def test_a_change_at_the_load_now_is_judged_there_not_over_the_old_loads_steps()
     assert gain > 0.07 and gain > 2 * stderr
     gain, stderr = predicted_gain(candidate, current, newest)
     assert gain == pytest.approx(0.02) and gain < 2 * stderr
+
+
+def drafting_steps(k: list[int], accepted: list[int], forced: list[bool]) -> StepColumns:
+    """One engine's steps of 10 drafting requests each."""
+    n = len(k)
+    drafts = np.full(n, 10)
+    return StepColumns(
+        t_s=np.arange(n, dtype=np.float64), batch_size=drafts, decode_reqs=drafts,
+        prefill_reqs=np.zeros(n, np.int64), k=np.asarray(k), k_next=np.asarray(k),
+        num_drafts=drafts, accepted=np.asarray(accepted), latency_s=np.full(n, 0.01),
+        version=np.full(n, 2), forced=np.asarray(forced))
+
+
+def test_a_surface_is_held_to_the_running_tables_own_steps() -> None:
+    """The miss is tokens a drafting request over the surface's prediction, on the steps that
+    ran the table's K only: a forced step, and the step after it (which verified the forced
+    drafts), are left out."""
+    candidate = dataclasses.replace(
+        envelope([[1, 64, 3]], goodput_k4=1000.0, stderr=1.0),
+        surface={**envelope([[1, 64, 3]], 1000.0, 1.0).surface,
+                 "acceptance_length": [2.0, 2.5], "tokens_per_request": [1.5, 1.75],
+                 "draft_share": 0.5})
+    # a drafting request emits 1 + (1.5 - 1) / 0.5 = 2.0 tokens at K3 as predicted
+    on_prediction = drafting_steps([3, 3, 3], [10, 10, 10], [False] * 3)
+    assert own_steps_miss(candidate, on_prediction) == pytest.approx(0.0)
+    richer = drafting_steps([3, 4, 3, 3], [15, 40, 40, 15], [False, True, False, False])
+    assert own_steps_miss(candidate, richer) == pytest.approx(0.25)  # 25 / 20 a step
+    assert own_steps_miss(candidate, drafting_steps([0, 0], [0, 0], [False] * 2)) is None
+    bare = dataclasses.replace(candidate, surface={"batch_sizes": BATCH, "k_values": [3, 4]})
+    assert own_steps_miss(bare, on_prediction) is None

@@ -73,6 +73,7 @@ from controller.fleet.loop_config import LoopConfig
 from controller.fleet.publisher import CHOSEN_AMONG_K, ISSUED_BY, Publisher
 from controller.fleet.record_window import RecordWindow
 from controller.fleet.refit_gate import (
+    k_shift,
     load_moved,
     measured_load,
     own_steps_miss,
@@ -759,8 +760,11 @@ class ClosedLoop:
                                         _latest_batch_sizes(records, cfg.refit_interval_s))
         miss = (None if force or unmeasured or (running is not None and running.budget)
                 else self._own_steps_miss(envelope, records, now_s))
+        # a surface that underprices what the running K emits favours smaller K than it
+        # should, and one that overprices it larger: a move the miss would reverse waits
         misfit = (miss is not None
-                  and abs(math.log1p(miss)) >= math.log1p(cfg.drift.acceptance_threshold))
+                  and abs(math.log1p(miss)) >= math.log1p(cfg.drift.acceptance_threshold)
+                  and miss * k_shift(envelope.table, current, judged_on) < 0)
         self._decisions.note(now_s, What.REFIT, reason=reason, version=version,
                              gain=round(gain, 4), gain_stderr=round(stderr, 4),
                              records=records.num_rows,
@@ -811,7 +815,9 @@ class ClosedLoop:
         misfit check would call stale as soon as the table went out: after a recall, a fit of
         the regime's sweep (an earlier visit of the traffic) beside 30 s of the table's K7
         priced K7 20-25% under those very steps, and K5 2% over it (twin, n-gram swing at
-        32 users, four engines through the broker, seed 31)."""
+        32 users, four engines through the broker, seed 31). A miss the other way after a
+        fall (the fit still half on the steps before it) only understates a move to smaller
+        K, which goes out."""
         since_ns = int((now_s - self.config.refit_interval_s) * 1e9)
         newest = records.filter(pc.greater_equal(records.column("ts_ns"), since_ns))
         if newest.num_rows == 0:

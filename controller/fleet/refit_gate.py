@@ -11,8 +11,9 @@ table was fitted at another load than the one that runs now (`running_unmeasured
 choice there is an extrapolation, keeping it is no safer, and the gain alone decides (the
 guardrail still watches the swap). A follow-up refit that lands after the load moved is
 judged at the load now, with the periodic refits' error test (`load_moved`). And a surface
-that misses the running table's own steps by a drift (`own_steps_miss`) judges nothing:
-its prediction at the K that runs is off by more than any gain it could find.
+that misses the running table's own steps by a drift (`own_steps_miss`) does not judge a
+move the miss would reverse: a surface that underprices the steps' acceptance favours a
+smaller K than they call for, one that overprices it a larger (`k_shift`).
 """
 
 from __future__ import annotations
@@ -126,3 +127,16 @@ def own_steps_miss(candidate: TableEnvelope, steps: StepColumns) -> float | None
         return None
     observed = float(np.sum(drafts + steps.accepted[own][known]))
     return observed / expected - 1.0
+
+
+def k_shift(candidate: DraftTable, current: DraftTable,
+            batch_sizes: NDArray[np.int64]) -> float:
+    """Mean K the candidate drafts over the current table at `batch_sizes` (one per step
+    that ran): negative where it moves to smaller K."""
+    if batch_sizes.size == 0:
+        return 0.0
+    top = int(batch_sizes.max())
+    new = np.asarray(candidate.to_dense(top), dtype=np.float64)
+    old = np.asarray(current.to_dense(top), dtype=np.float64)
+    sizes = np.clip(batch_sizes, 1, top)
+    return float(np.mean(new[sizes] - old[sizes]))

@@ -486,6 +486,21 @@ def test_a_one_engine_keys_reprofile_forces_short_blocks_from_the_largest_k() ->
     assert rate(tt, refit.t_s, 600.0) > 1.05 * rate(held, refit.t_s, 600.0), decisions
 
 
+def settled_on_a_fall(scenario: Scenario, policy: TabletunePolicy, sink: MemorySink, *,
+                      after_s: float) -> tuple[Any, list[Any], Any, Any]:
+    """The scenario under `policy`: its summary, decisions, the first drift after `after_s`
+    (acceptance, falling) and the decision after it (a settle)."""
+    summary = run_scenario(scenario, policy, sink=sink)
+    policy.close()
+    assert policy.loop is not None
+    decisions = policy.loop.decisions
+    stale = next(d for d in decisions if d.what == "stale" and d.t_s > after_s)
+    assert stale.fields["signal"] == "acceptance" and stale.fields["magnitude"] < 0, stale
+    settle = next(d for d in decisions if d.t_s >= stale.t_s and d.what != "stale")
+    assert settle.what == "settle_refit", decisions
+    return summary, decisions, stale, settle
+
+
 @pytest.mark.parametrize("config", [LoopConfig(), CANARY_SWEEP], ids=["probe", "canaries"])
 def test_a_key_whose_acceptance_fell_refits_without_forcing(config: LoopConfig) -> None:
     """Acceptance falls (the best K from 3 to 1): the table's K measures every position a
@@ -496,14 +511,7 @@ def test_a_key_whose_acceptance_fell_refits_without_forcing(config: LoopConfig) 
     table beats the stale one held."""
     scenario = slow_eagle_then_low()
     policy, sink = TabletunePolicy(config), MemorySink()
-    tt = run_scenario(scenario, policy, sink=sink)
-    policy.close()
-    assert policy.loop is not None
-    decisions = policy.loop.decisions
-    stale = next(d for d in decisions if d.what == "stale" and d.t_s > 240.0)
-    assert stale.fields["signal"] == "acceptance" and stale.fields["magnitude"] < 0, stale
-    settle = next(d for d in decisions if d.t_s >= stale.t_s and d.what != "stale")
-    assert settle.what == "settle_refit", decisions
+    tt, decisions, stale, settle = settled_on_a_fall(scenario, policy, sink, after_s=240.0)
     refit = next(d for d in decisions if d.what == "refit" and d.t_s > settle.t_s
                  and any(s.what == "stage" and s.t_s == d.t_s for s in decisions))
     assert refit.fields["reason"] == "periodic" and refit.fields["version"] == 2, decisions
@@ -519,17 +527,19 @@ def test_a_key_whose_acceptance_fell_refits_without_forcing(config: LoopConfig) 
     assert rate(tt, refit.t_s, 600.0) > 1.05 * rate(held, refit.t_s, 600.0), decisions
 
 
+def sixteen_users_at(*phases: tuple[str, float]) -> Scenario:
+    """16 users, 200 s a phase, each (name, acceptance) at every one of seven positions."""
+    return Scenario(seed=3, engine=EngineConfig(max_num_seqs=64), phases=tuple(
+        PhaseConfig(name=name, duration_s=200, concurrency=16, acceptance=(acceptance,) * 7,
+                    prompt_len=128, output_len=256) for name, acceptance in phases))
+
+
 def test_acceptance_rising_under_the_largest_k_is_settled_not_probed() -> None:
     """Acceptance rises (0.8 to 0.97 a position) where the table already drafts K7, the
     largest: its steps censor no position, so a probe at K7 would repeat them. The loop
     refits on the settled steps instead, forces nothing, and its detector learns the new
     level rather than calling the same drift stale every minute."""
-    def phase(name: str, acceptance: float) -> PhaseConfig:
-        return PhaseConfig(name=name, duration_s=200, concurrency=16,
-                           acceptance=(acceptance,) * 7, prompt_len=128, output_len=256)
-
-    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=64),
-                        phases=(phase("high", 0.8), phase("higher", 0.97)))
+    scenario = sixteen_users_at(("high", 0.8), ("higher", 0.97))
     policy, sink = TabletunePolicy(), MemorySink()
     tt = run_scenario(scenario, policy, sink=sink)
     policy.close()
@@ -558,21 +568,9 @@ def test_acceptance_that_moves_within_the_tables_regime_is_settled_on_all_its_st
     profile measured. That is the traffic's own wander (a closed loop's few long requests
     move it this much): nothing is forced, the detector learns the level, and the refit
     after it reads the steps from before the drift as well, not the few seconds since."""
-    def phase(name: str, acceptance: float) -> PhaseConfig:
-        return PhaseConfig(name=name, duration_s=200, concurrency=16,
-                           acceptance=(acceptance,) * 7, prompt_len=128, output_len=256)
-
-    scenario = Scenario(seed=3, engine=EngineConfig(max_num_seqs=64),
-                        phases=(phase("high", 0.8), phase("lower", 0.7)))
+    scenario = sixteen_users_at(("high", 0.8), ("lower", 0.7))
     policy, sink = TabletunePolicy(), MemorySink()
-    run_scenario(scenario, policy, sink=sink)
-    policy.close()
-    assert policy.loop is not None
-    decisions = policy.loop.decisions
-    stale = next(d for d in decisions if d.what == "stale" and d.t_s > 200.0)
-    assert stale.fields["signal"] == "acceptance" and stale.fields["magnitude"] < 0, stale
-    settle = next(d for d in decisions if d.t_s >= stale.t_s and d.what != "stale")
-    assert settle.what == "settle_refit", decisions
+    _, decisions, stale, settle = settled_on_a_fall(scenario, policy, sink, after_s=200.0)
     assert settle.fields["reason"] == "acceptance moved within the regime the table was " \
                                       "fitted on", settle
     threshold = policy.loop.config.drift.acceptance_threshold

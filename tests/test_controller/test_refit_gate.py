@@ -12,6 +12,7 @@ import pytest
 
 from controller.fleet.key_fit import MIN_FIT_RECORDS, MIN_FIT_STEPS, fittable
 from controller.fleet.refit_gate import (
+    k_shift,
     load_moved,
     measured_load,
     own_steps_miss,
@@ -171,3 +172,15 @@ def test_a_surface_is_held_to_the_running_tables_own_steps() -> None:
     assert own_steps_miss(candidate, drafting_steps([0, 0], [0, 0], [False] * 2)) is None
     bare = dataclasses.replace(candidate, surface={"batch_sizes": BATCH, "k_values": [3, 4]})
     assert own_steps_miss(bare, on_prediction) is None
+
+
+def test_a_moves_direction_is_read_where_the_steps_ran() -> None:
+    """K5 over K7 at 32 users, K7 over K3 at 4: the move is down where 32 users ran, up
+    where 4 did, and nothing where the tables agree."""
+    current = DraftTable.from_vllm([[1, 8, 3], [9, 64, 7]])
+    candidate = DraftTable.from_vllm([[1, 8, 7], [9, 64, 5]])
+    assert k_shift(candidate, current, np.full(50, 32)) == pytest.approx(-2.0)
+    assert k_shift(candidate, current, np.full(50, 4)) == pytest.approx(4.0)
+    assert k_shift(candidate, current, np.array([4, 32])) == pytest.approx(1.0)
+    assert k_shift(current, current, np.full(50, 32)) == 0.0
+    assert k_shift(candidate, current, np.zeros(0, np.int64)) == 0.0

@@ -524,8 +524,9 @@ class ClosedLoop:
         called stale 22 s after its recall by a reference 20% above the regime's sweep,
         was probed 6 s for a 0.3% gain). The next refit reads the settled steps as after a
         fall, and the detector learns the new level as its reference instead of reporting
-        the same drift every minute. Also where a probe ended in a refit that could not
-        tell its table from the running one (`_refit(judged=True)`)."""
+        the same drift every minute. Also where acceptance moved, either way, within the
+        regime the table was fitted on (`_within_regime`), and where a probe ended in a
+        refit that could not tell its table from the running one (`_refit(judged=True)`)."""
         self._decisions.note(now_s, What.SETTLE_REFIT, reason=reason, **evidence)
         self._follow_up_s = None  # the settled refit replaces a re-profile's follow-up
         self.drift.rereference(now_s)

@@ -106,7 +106,7 @@ def load_moved(window_batch_sizes: NDArray[np.int64],
 
 
 def own_steps_miss(candidate: TableEnvelope, steps: StepColumns) -> float | None:
-    """Tokens a drafting request emitted on `steps` that ran the table's own K, against
+    """Tokens a drafting request emitted on `steps` that ran a table's K (no force), against
     what `candidate`'s surface predicts at those K (`controller.drift`'s acceptance
     signal, the same formula): the relative miss, or None where no such step drafted or
     the surface carries no acceptance."""

@@ -462,6 +462,9 @@ class ClosedLoop:
             off = (self._within_regime(now_s)
                    if report.signal == "acceptance" and not report.fast else None)
             if off is not None:  # the table's own traffic, wandering: the same
+                if self._left_regime:  # back from traffic that left it: not the same steps
+                    self.window.data_since_s = now_s
+                    self._left_regime = False
                 self._settle(now_s, reason="acceptance moved within the regime the table "
                                            "was fitted on", acceptance_off=round(off, 4))
                 return
@@ -490,7 +493,8 @@ class ClosedLoop:
     def _within_regime(self, now_s: float) -> float | None:
         """How far (relative first-position acceptance) the newest steps sign from the regime
         the table was fitted on (a sweep's or a recall's; `SIGNATURE_S`), where that is
-        within the drift threshold, half the recall's bar; else None. Then an acceptance
+        within the drift threshold, half the recall's bar, at a batch size the regime
+        matches (`Regime.matches`); else None. Then an acceptance
         drift is that traffic's own wander, which a probe would measure again, and the fit
         keeps the steps from before it: InstructCoder's acceptance under n-gram at 32 users
         wanders 2.9 to 3.9 tokens a drafting request over 30 s, and a refit on the 10 s
@@ -784,7 +788,8 @@ class ClosedLoop:
             self._reset_refit_wait(now_s)
             return True
         if not force and not worth_it:
-            if reason == "periodic" and not unmeasured:
+            if reason == "periodic" and not unmeasured and not misfit:
+                # (a miss shrinks as the window rolls on: the next refit comes on time)
                 self._space_out_refits(now_s)
             return True
         low, high = (int(v) for v in np.percentile(batch, [1, 99]))

@@ -28,7 +28,8 @@ MAX_REGIMES = 8
 minute of one key's steps (a few MB at most)."""
 RECALL_TRUST_S = 90.0
 """A recalled table called stale this soon was a wrong match (the drift detector's reference
-and first window take about a minute): the next drift re-profiles instead."""
+and first window take about a minute): the next drift re-profiles instead, unless the
+newest steps still sign the recalled regime (`ClosedLoop._within_regime`)."""
 SIGNATURE_S = (20.0, 10.0, 5.0)
 """Telemetry seconds whose steps sign the traffic at a drift, tried in turn until one
 matches a regime: 20 s holds the first position's 200 drafts at one user, but a drift

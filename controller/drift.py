@@ -215,6 +215,16 @@ def drafting_request_tokens(surface: Mapping[str, Any], column: int) -> float:
     return 1.0 + (float(tokens[column]) - 1.0) / float(share)
 
 
+def drafting_tokens_by_k(surface: Mapping[str, Any]) -> NDArray[np.float64]:
+    """`drafting_request_tokens` indexed by K (0..the surface's largest), NaN at a K the
+    surface leaves out."""
+    k_values = [int(k) for k in surface["k_values"]]
+    tokens = np.full(max(k_values) + 1, np.nan)
+    for column, k in enumerate(k_values):
+        tokens[k] = drafting_request_tokens(surface, column)
+    return tokens
+
+
 class DriftDetector:
     def __init__(self, max_batch: int, config: DriftConfig | None = None) -> None:
         self.config = config or DriftConfig()
@@ -281,12 +291,10 @@ class DriftDetector:
         k_values = [int(k) for k in surface["k_values"]]
         latency = np.asarray(surface["latency_s"], dtype=np.float64)
         dense = np.full((self.max_batch + 1, max(k_values) + 1), np.nan)
-        al = np.full(max(k_values) + 1, np.nan)
         grid = np.arange(self.max_batch + 1, dtype=np.float64)
         for j, k in enumerate(k_values):
             dense[:, k] = np.log(np.interp(grid, batch, latency[:, j]))
-            al[k] = drafting_request_tokens(surface, j)
-        self._latency, self._al = dense, al
+        self._latency, self._al = dense, drafting_tokens_by_k(surface)
         if fit_steps is not None and len(fit_steps):
             chunks = self._chunked(fit_steps)
             self._fit_se = (self._batch_means_se(chunks, 0), self._batch_means_se(chunks, 3))

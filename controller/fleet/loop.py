@@ -86,6 +86,7 @@ from controller.fleet.regimes import (
     Regime,
     RegimeMemory,
     Signature,
+    within,
 )
 from controller.fleet.sweep_planner import Hidden, SweepPlanner, SweepProgress
 from controller.guardrail import Guardrail, Verdict
@@ -494,7 +495,7 @@ class ClosedLoop:
         """How far (relative first-position acceptance) the newest steps sign from the regime
         the table was fitted on (a sweep's or a recall's; `SIGNATURE_S`), where that is
         within the drift threshold, half the recall's bar, at a batch size the regime
-        matches (`Regime.matches`); else None. Then an acceptance
+        matches (`regimes.within`); else None. Then an acceptance
         drift is that traffic's own wander, which a probe would measure again, and the fit
         keeps the steps from before it: InstructCoder's acceptance under n-gram at 32 users
         wanders 2.9 to 3.9 tokens a drafting request over 30 s, and a refit on the 10 s
@@ -504,12 +505,11 @@ class ClosedLoop:
         regime = self._table_regime
         if regime is None:
             return None
-        bar = math.log1p(self.config.drift.acceptance_threshold)
         for span_s in SIGNATURE_S:
             signature = Signature.of(self.window.window(now_s, since_s=now_s - span_s))
             distance = None if signature is None else regime.signature.distance(signature)
-            if (distance is not None and distance[0] <= bar
-                    and regime.matches(signature, self.config.drift.acceptance_threshold)):
+            if within(distance, self.config.drift.acceptance_threshold, factor=1.0):
+                assert distance is not None
                 return math.expm1(distance[0])
         return None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from controller.drift import drafting_request_tokens
+from controller.drift import drafting_tokens_by_k
 from controller.steps import StepColumns
 from schemas import DraftTable, TableEnvelope
 
@@ -113,10 +113,7 @@ def own_steps_miss(candidate: TableEnvelope, steps: StepColumns) -> float | None
     surface = candidate.surface
     if not surface or "acceptance_length" not in surface:
         return None
-    k_values = [int(k) for k in surface["k_values"]]
-    per_k = np.full(max(k_values) + 1, np.nan)
-    for column, k in enumerate(k_values):
-        per_k[k] = drafting_request_tokens(surface, column)
+    per_k = drafting_tokens_by_k(surface)
     own = (steps.table_steps() & (steps.num_drafts > 0) & (steps.k > 0)
            & (steps.k < per_k.size))
     predicted = per_k[steps.k[own]]

@@ -119,12 +119,6 @@ class Regime:
     version: int | None = None
     """The table version its refit published (None: it published none)."""
 
-    def matches(self, signature: Signature | None, acceptance_threshold: float) -> bool:
-        """Whether `signature` is this regime's traffic (`MATCH_FACTOR`,
-        `MATCH_BATCH_FACTOR`)."""
-        return signature is not None and _matches(self.signature, signature,
-                                                  acceptance_threshold)
-
     def to_json(self) -> dict[str, Any]:
         """What a later owner of the key recalls it by: the signature and the version."""
         signature = self.signature
@@ -226,10 +220,16 @@ def _shares(value: object, name: str) -> dict[int, float]:
     return shares
 
 
-def _matches(a: Signature, b: Signature, acceptance_threshold: float) -> bool:
-    distance = a.distance(b)
+def within(distance: tuple[float, float] | None, acceptance_threshold: float,
+           factor: float = MATCH_FACTOR) -> bool:
+    """Whether a `Signature.distance` is inside the match bars: the acceptance within
+    `factor` thresholds, the batch within `MATCH_BATCH_FACTOR`."""
     if distance is None:
         return False
     acceptance, batch = distance
-    return (acceptance <= math.log1p(MATCH_FACTOR * acceptance_threshold)
+    return (acceptance <= math.log1p(factor * acceptance_threshold)
             and batch <= math.log(MATCH_BATCH_FACTOR))
+
+
+def _matches(a: Signature, b: Signature, acceptance_threshold: float) -> bool:
+    return within(a.distance(b), acceptance_threshold)
